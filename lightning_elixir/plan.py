@@ -1,0 +1,215 @@
+"""The plan: what the search decides and the runtime executes.
+
+Plans are frozen dataclasses, validated on construction, changed with ``dataclasses.replace`` and
+round-tripped through JSON. This module imports no ``torch.distributed`` and makes no device calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+PLACEMENTS = ("device", "cpu", "nvme")
+ALIGN_NUMEL = 64
+"""Every parameter starts at a multiple of this many elements inside its chunk. Kernels then see
+the same pointer alignment as for separately allocated tensors (BLAS results can depend on it)."""
+CACHE_ALL = "all"
+CACHE_MIN = "min"
+
+
+class PlanError(ValueError):
+    """A plan is malformed or does not match the model it is applied to."""
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk of the layout: parameters packed, in order, into one flat buffer."""
+
+    params: tuple[str, ...]
+    """Parameter names (as in ``named_parameters(remove_duplicate=True)``), in packing order."""
+    numel: int
+    """Total elements of the chunk including padding; a multiple of the world size."""
+    private: bool = False
+    """A private chunk stays gathered for the whole step (tied or shared parameters)."""
+    placement: str = "device"
+    """Where this chunk's sharded state (fp32 master, optimizer states, gradient) lives."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(self.params))
+        if not self.params:
+            raise PlanError("a chunk must hold at least one parameter")
+        if self.numel <= 0:
+            raise PlanError(f"chunk numel must be positive, got {self.numel}")
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"unknown placement {self.placement!r}; use one of {PLACEMENTS}")
+
+
+@dataclass(frozen=True)
+class ElixirPlan:
+    """How to partition and place a model: chunk layout, cache size, prefetch, placement."""
+
+    chunk_numel: int | None = None
+    """Capacity of a public chunk in elements. None: the largest parameter, at least 1M elements."""
+    cache_blocks: Union[int, str] = CACHE_ALL
+    """Chunk-sized blocks for gathered public chunks: an int, "all" (ZeRO-2: nothing is re-gathered
+    within a step) or "min" (ZeRO-3: the fewest blocks the model's modules need at once)."""
+    prefetch_depth: int = 1
+    """How many upcoming chunks are gathered ahead of use (0 disables prefetch)."""
+    chunks: tuple[ChunkSpec, ...] = ()
+    """An explicit layout; empty means: pack ``named_parameters()`` order with ``chunk_numel``."""
+    world_size: int | None = None
+    """The world size an explicit layout was built for (chunk numels are multiples of it)."""
+    reduce_in_fp32: bool = True
+    """Reduce-scatter gradients in fp32 (exact) rather than in the compute dtype (half the bytes)."""
+    name: str = "custom"
+    """A label for logs and reports."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        if self.chunk_numel is not None and self.chunk_numel <= 0:
+            raise PlanError(f"chunk_numel must be positive, got {self.chunk_numel}")
+        if isinstance(self.cache_blocks, bool) or not isinstance(self.cache_blocks, (int, str)):
+            raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r} or {CACHE_MIN!r}")
+        if isinstance(self.cache_blocks, str) and self.cache_blocks not in (CACHE_ALL, CACHE_MIN):
+            raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r} or {CACHE_MIN!r}, got {self.cache_blocks!r}")
+        if isinstance(self.cache_blocks, int) and self.cache_blocks < 1:
+            raise PlanError(f"cache_blocks must be at least 1, got {self.cache_blocks}")
+        if self.prefetch_depth < 0:
+            raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.chunks and self.world_size is None:
+            raise PlanError("a plan with an explicit chunk layout must state the world_size it was built for")
+        if self.world_size is not None:
+            for spec in self.chunks:
+                if spec.numel % self.world_size:
+                    raise PlanError(f"chunk numel {spec.numel} is not a multiple of world_size {self.world_size}")
+        names = [name for spec in self.chunks for name in spec.params]
+        if len(names) != len(set(names)):
+            raise PlanError("a parameter appears in more than one chunk of the plan")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any chunk's sharded state is placed off the device."""
+        return any(spec.placement != "device" for spec in self.chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """Serialise to a JSON string, and write it to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
+        """Build from a dict, rejecting unknown keys with a message that lists the known ones."""
+        _reject_unknown(cls, data, "plan")
+        data = dict(data)
+        chunks = []
+        for raw in data.pop("chunks", ()):
+            _reject_unknown(ChunkSpec, raw, "chunk")
+            chunks.append(ChunkSpec(**raw))
+        return cls(**data, chunks=tuple(chunks))
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike) -> "ElixirPlan":
+        """Load from a JSON string or a path to a JSON file."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            if not os.path.isfile(text):
+                raise PlanError(f"plan file {text!r} does not exist")
+            with open(text) as f:
+                text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise PlanError("a plan JSON must be an object")
+        return cls.from_dict(data)
+
+
+def _reject_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(f"unknown {what} key(s) {unknown}; known keys are {sorted(known)}")
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return int(math.ceil(value / multiple) * multiple)
+
+
+def slot_offsets(numels: Sequence[int]) -> list[int]:
+    """Offset of each parameter inside its chunk, each aligned to ``ALIGN_NUMEL`` elements."""
+    offsets, used = [], 0
+    for numel in numels:
+        start = round_up(used, ALIGN_NUMEL)
+        offsets.append(start)
+        used = start + numel
+    return offsets
+
+
+def chunk_used_numel(numels: Sequence[int]) -> int:
+    """Elements a chunk needs for these parameters, alignment gaps included."""
+    return slot_offsets(numels)[-1] + numels[-1] if numels else 0
+
+
+def pack_chunks(
+    order: Sequence[tuple[str, int]],
+    chunk_numel: int,
+    world_size: int,
+    private: Iterable[str] = (),
+) -> tuple[ChunkSpec, ...]:
+    """Pack parameters greedily, in the given order, into chunks of one size.
+
+    Args:
+        order: (name, numel) per parameter in the order they should be laid out (first use).
+        chunk_numel: capacity of a public chunk; rounded up to a multiple of ``world_size``.
+        world_size: number of ranks each chunk is sharded over.
+        private: names that get a chunk of their own that stays gathered (tied or shared weights).
+
+    Returns:
+        Public chunks in order, then one private chunk per private parameter.
+    """
+    private = set(private)
+    capacity = round_up(chunk_numel, world_size)
+    largest = max((n for name, n in order if name not in private), default=0)
+    if largest > capacity:
+        raise PlanError(f"chunk_numel {chunk_numel} is smaller than the largest parameter ({largest} elements)")
+    public: list[ChunkSpec] = []
+    current: list[str] = []
+    used = 0
+    for name, numel in order:
+        if name in private:
+            continue
+        start = round_up(used, ALIGN_NUMEL)
+        if current and start + numel > capacity:
+            public.append(ChunkSpec(tuple(current), capacity))
+            current, start = [], 0
+        current.append(name)
+        used = start + numel
+    if current:
+        public.append(ChunkSpec(tuple(current), capacity))
+    privates = [ChunkSpec((name,), round_up(numel, world_size), private=True) for name, numel in order if name in private]
+    return tuple(public + privates)
+
+
+@dataclass(frozen=True)
+class PresetPlans:
+    """Fixed plans for comparison runs, registered as strategy names."""
+
+    zero2: ElixirPlan = field(default_factory=lambda: ElixirPlan(cache_blocks=CACHE_ALL, name="zero2"))
+    zero3: ElixirPlan = field(default_factory=lambda: ElixirPlan(cache_blocks=CACHE_MIN, name="zero3"))
+
+
+PRESETS = PresetPlans()

@@ -1,0 +1,251 @@
+"""The profile contract: what the profiler measures and the search consumes.
+
+Frozen dataclasses with a JSON round-trip. No ``torch.distributed`` and no device calls here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("forward", "backward", "recompute")
+
+
+class ProfileError(ValueError):
+    """A profile is malformed (bad JSON, unknown keys, inconsistent fields)."""
+
+
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProfileError(f"unknown {cls.__name__} key(s) {unknown}; known keys are {sorted(known)}")
+    return cls(**data)
+
+
+def _load_json(text_or_path: str | os.PathLike) -> dict[str, Any]:
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        with open(text) as f:
+            text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"profile is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ProfileError("a profile JSON must be an object")
+    return data
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the model."""
+
+    name: str
+    """Name as in ``named_parameters()`` (duplicates removed: a tied weight appears once)."""
+    numel: int
+    """Number of elements."""
+    shape: tuple[int, ...]
+    """Shape."""
+    dtype: str
+    """dtype of the parameter as stored in the module, e.g. "float32"."""
+    requires_grad: bool
+    """Whether the parameter is trained."""
+    owner: str
+    """Qualified name of the module that registers it ("" for the root)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.numel < 0:
+            raise ProfileError(f"parameter {self.name} has negative numel")
+
+
+@dataclass(frozen=True)
+class Access:
+    """One step of the access sequence: a leaf module call (or op) and the parameters it touches."""
+
+    phase: str
+    """"forward", "backward" or "recompute" (forward re-run under activation checkpointing)."""
+    module: str
+    """Qualified name of the module (or a "module:op" label) doing the computation."""
+    params: tuple[str, ...]
+    """Parameters this access reads (forward) or differentiates through (backward)."""
+    live_bytes: int
+    """Activation and temporary bytes alive right after this access (parameters excluded)."""
+    compute_s: float = 0.0
+    """Estimated compute time of this access in seconds (from FLOPs and bytes moved)."""
+    flops: float = 0.0
+    """Floating-point operations of this access."""
+    peak_bytes: int = 0
+    """Peak activation and temporary bytes from the start of this access to the start of the next."""
+    moved_bytes: int = 0
+    """Bytes the operators of this access read and write (views excluded)."""
+    op: str = ""
+    """The operator of an op-level access ("aten.t"): a parameter used outside its owner's forward,
+    inside a module without direct parameters. Empty for module-level accesses, which are the ones
+    the runtime's module hooks see; an op-level access has ``module`` "module:op"."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(self.params))
+        if self.phase not in PHASES:
+            raise ProfileError(f"unknown phase {self.phase!r}; use one of {PHASES}")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What one training step of a model does, recorded without allocating its weights."""
+
+    params: tuple[ParamInfo, ...]
+    """Every parameter, in first-use order (unused parameters last, in registration order)."""
+    accesses: tuple[Access, ...]
+    """The full access sequence through forward and backward (and recomputation)."""
+    shared_params: tuple[str, ...]
+    """Parameters used by more than one module or outside their owner (tied weights)."""
+    forward_peak_bytes: int
+    """Peak live activation/temporary bytes during forward."""
+    backward_peak_bytes: int
+    """Peak live activation/temporary bytes during backward."""
+    compute_dtype: str = "float32"
+    """The dtype the step computes in ("float32", "bfloat16", "float16")."""
+    forward_compute_s: float = 0.0
+    """Estimated compute time of the forward in seconds."""
+    backward_compute_s: float = 0.0
+    """Estimated compute time of the backward (including recomputation) in seconds."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "accesses", tuple(self.accesses))
+        object.__setattr__(self, "shared_params", tuple(self.shared_params))
+        names = {p.name for p in self.params}
+        unknown = {n for a in self.accesses for n in a.params} - names
+        if unknown:
+            raise ProfileError(f"accesses name unknown parameters: {sorted(unknown)[:5]}")
+
+    @property
+    def total_numel(self) -> int:
+        """Total parameter elements."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """Peak live activation bytes over the whole step."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    @property
+    def compute_s(self) -> float:
+        """Estimated compute time of one step in seconds."""
+        return self.forward_compute_s + self.backward_compute_s
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """Serialise to JSON, and write it to ``path`` when given."""
+        text = json.dumps(dataclasses.asdict(self))
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike) -> "ModelProfile":
+        """Load from a JSON string or file."""
+        data = _load_json(text_or_path)
+        data["params"] = tuple(_from_dict(ParamInfo, p) for p in data.get("params", ()))
+        data["accesses"] = tuple(_from_dict(Access, a) for a in data.get("accesses", ()))
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Measured speeds of one machine and process group. Bandwidths are bytes per second."""
+
+    device_name: str
+    """e.g. "NVIDIA H200" or "cpu"."""
+    device_count: int
+    """Devices on the node."""
+    world_size: int
+    """Ranks in the process group the collectives were measured on."""
+    torch_version: str
+    """torch.__version__ at measurement time."""
+    device_memory_bytes: int
+    """Total memory of one device."""
+    matmul_flops_per_s: float
+    """Dense matmul throughput in the compute dtype."""
+    device_memory_bytes_per_s: float
+    """Device memory bandwidth (copy)."""
+    h2d_bytes_per_s: float
+    """Host-to-device bandwidth from pinned memory."""
+    d2h_bytes_per_s: float
+    """Device-to-host bandwidth into pinned memory."""
+    all_gather_bytes_per_s: tuple[tuple[int, float], ...]
+    """(message bytes per rank's full output, algorithm bandwidth) points, ascending in bytes."""
+    reduce_scatter_bytes_per_s: tuple[tuple[int, float], ...]
+    """(message bytes of the full input, algorithm bandwidth) points, ascending in bytes."""
+    optimizer_device_numel_per_s: float
+    """AdamW update speed on the device in elements per second."""
+    optimizer_cpu_numel_per_s: float
+    """AdamW update speed on the CPU in elements per second."""
+    nvme_read_bytes_per_s: float = 0.0
+    """Read bandwidth at the NVMe path (0: not measured / no path)."""
+    nvme_write_bytes_per_s: float = 0.0
+    """Write bandwidth at the NVMe path (0: not measured / no path)."""
+    collective_latency_s: float = 0.0
+    """Fixed cost of launching one collective."""
+    compute_dtype: str = "float32"
+    """The dtype ``matmul_flops_per_s`` was measured in."""
+    notes: tuple[str, ...] = ()
+    """What was not measured as named, e.g. "h2d: no accelerator, measured a host copy"."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "notes", tuple(self.notes))
+        for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s"):
+            points = tuple(sorted((int(b), float(bw)) for b, bw in getattr(self, name)))
+            if not points or any(bw <= 0 for _, bw in points):
+                raise ProfileError(f"{name} needs at least one (bytes, positive bandwidth) point")
+            object.__setattr__(self, name, points)
+        for name in ("matmul_flops_per_s", "device_memory_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                     "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s"):
+            if not getattr(self, name) > 0:
+                raise ProfileError(f"{name} must be positive")
+
+    def all_gather_s(self, nbytes: int) -> float:
+        """Predicted seconds to all-gather a chunk of ``nbytes`` (full size)."""
+        return self.collective_latency_s + nbytes / _interpolate(self.all_gather_bytes_per_s, nbytes)
+
+    def reduce_scatter_s(self, nbytes: int) -> float:
+        """Predicted seconds to reduce-scatter a chunk of ``nbytes`` (full size)."""
+        return self.collective_latency_s + nbytes / _interpolate(self.reduce_scatter_bytes_per_s, nbytes)
+
+    def cache_key(self) -> str:
+        """The key a cached profile is stored under."""
+        return f"{self.device_name}-x{self.device_count}-ws{self.world_size}-torch{self.torch_version}"
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """Serialise to JSON, and write it to ``path`` when given."""
+        text = json.dumps(dataclasses.asdict(self), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike) -> "HardwareProfile":
+        """Load from a JSON string or file."""
+        data = _load_json(text_or_path)
+        for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s"):
+            data[name] = tuple(tuple(p) for p in data.get(name, ()))
+        return _from_dict(cls, data)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], nbytes: int) -> float:
+    """Bandwidth at ``nbytes``, linear between measured sizes and flat beyond them."""
+    sizes = [b for b, _ in points]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1]
+    (b0, w0), (b1, w1) = points[i - 1], points[i]
+    return w0 + (w1 - w0) * (nbytes - b0) / (b1 - b0)

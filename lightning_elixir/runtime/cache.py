@@ -1,0 +1,189 @@
+"""The rCache: a bounded set of gathered public chunks, furthest-next-use eviction and prefetch.
+
+[Note: learned access order]
+The order in which modules use chunks is recorded on the first iteration of each kind (a forward
+with grad, i.e. a training micro-batch, or a forward without) and replayed afterwards: eviction
+picks the unpinned chunk whose next use is furthest (Belady), and prefetch gathers the next
+chunks of the sequence ahead of use. Before an order is known, or once an iteration strays from
+it (data-dependent control flow), eviction falls back to least-recently-used and prefetch stops
+until the next iteration, whose order is then recorded afresh. Every rank runs the same model on
+the same kind of iteration, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Optional
+
+from lightning_elixir.runtime.chunk import Chunk
+from lightning_elixir.runtime.states import ChunkState
+
+log = logging.getLogger(__name__)
+
+
+class CacheTooSmallError(RuntimeError):
+    """More chunks are needed at once than the cache has blocks."""
+
+
+class _Order:
+    """A recorded access sequence with next-use lookups."""
+
+    def __init__(self, sequence: list[tuple[int, ...]]) -> None:
+        self.sequence = sequence
+        self.positions: dict[int, list[int]] = {}
+        for i, ids in enumerate(sequence):
+            for c in ids:
+                self.positions.setdefault(c, []).append(i)
+
+    def next_use(self, chunk_id: int, after: int) -> float:
+        pos = self.positions.get(chunk_id, ())
+        i = bisect.bisect_right(pos, after)
+        return pos[i] if i < len(pos) else math.inf
+
+
+class ChunkCache:
+    """Gathers public chunks into at most ``capacity`` blocks."""
+
+    def __init__(self, chunks: Sequence[Chunk], capacity: Optional[int], grow: bool, prefetch_depth: int) -> None:
+        self.chunks = {c.index: c for c in chunks}
+        self.capacity = len(chunks) if capacity is None else capacity
+        self.grow = grow
+        self.prefetch_depth = prefetch_depth
+        self.gathered: OrderedDict[int, Chunk] = OrderedDict()  # LRU order, most recent last
+        self._orders: dict[object, _Order] = {}
+        self._order: Optional[_Order] = None
+        self._recording: list[tuple[int, ...]] = []
+        self._key: object = None
+        self._cursor = -1
+        self.gathers = 0
+        self.peak_gathered = 0
+
+    # ---- iterations -------------------------------------------------------------------------
+
+    def begin_iteration(self, key: object) -> None:
+        """A new forward starts: keep the order just recorded and replay the one for ``key``."""
+        self._store_recording()
+        self._key = key
+        self._order = self._orders.get(key)
+        self._recording = []
+        self._cursor = -1
+
+    def _store_recording(self) -> None:
+        if self._recording and self._order is None:
+            self._orders[self._key] = _Order(self._recording)
+
+    # ---- use --------------------------------------------------------------------------------
+
+    def acquire(self, ids: tuple[int, ...]) -> None:
+        """Make sure every chunk in ``ids`` is gathered, pin them, then prefetch ahead."""
+        self._advance(ids)
+        for c in ids:
+            self._ensure_gathered(self.chunks[c], protect=ids)
+            self.gathered.move_to_end(c)
+        for c in ids:
+            self.chunks[c].pin()
+        self._prefetch()
+
+    def release_pins(self, ids: tuple[int, ...]) -> None:
+        for c in ids:
+            self.chunks[c].unpin()
+
+    def _advance(self, ids: tuple[int, ...]) -> None:
+        self._recording.append(ids)
+        self._cursor += 1
+        order = self._order
+        if order is None:
+            return
+        if self._cursor >= len(order.sequence) or order.sequence[self._cursor] != ids:
+            log.debug("access order changed at position %d; re-recording", self._cursor)
+            self._order = None  # stray: record this iteration as the new order for its key
+            self._orders.pop(self._key, None)
+
+    def _ensure_gathered(self, chunk: Chunk, protect: tuple[int, ...]) -> None:
+        if chunk.state is ChunkState.GATHERING:
+            chunk.finish_gather()
+        if chunk.state is not ChunkState.FREE:
+            return
+        self._make_room(protect)
+        self._gather(chunk, async_op=False)
+        chunk.finish_gather()
+
+    def _gather(self, chunk: Chunk, async_op: bool) -> None:
+        chunk.start_gather(async_op)
+        self.gathered[chunk.index] = chunk
+        self.gathers += 1
+        self.peak_gathered = max(self.peak_gathered, len(self.gathered))
+
+    def _make_room(self, protect: tuple[int, ...]) -> None:
+        while len(self.gathered) >= self.capacity:
+            victim = self._victim(protect)
+            if victim is None:
+                self._grow_or_raise()
+                return
+            self._evict(victim)
+
+    def _grow_or_raise(self) -> None:
+        pinned = [c for c in self.gathered.values() if c.pins]
+        if not self.grow:
+            raise CacheTooSmallError(
+                f"the cache has {self.capacity} block(s) but {len(pinned) + 1} chunks are needed at once; "
+                f"raise cache_blocks to at least {len(pinned) + 1}, or use cache_blocks='min'")
+        self.capacity += 1
+        log.debug("cache grows to %d blocks", self.capacity)
+
+    def _victim(self, protect: tuple[int, ...]) -> Optional[Chunk]:
+        candidates = [c for c in self.gathered.values() if c.pins == 0 and c.index not in protect]
+        if not candidates:
+            return None
+        if self._order is None:
+            return candidates[0]  # least recently used
+        return max(candidates, key=lambda c: (self._order.next_use(c.index, self._cursor), -c.index))
+
+    def _evict(self, chunk: Chunk) -> None:
+        if chunk.state is ChunkState.GATHERING:
+            chunk.finish_gather()
+        chunk.release()
+        del self.gathered[chunk.index]
+
+    # ---- prefetch ---------------------------------------------------------------------------
+
+    def _prefetch(self) -> None:
+        if self._order is None or self.prefetch_depth == 0:
+            return
+        for chunk_id, use in self._upcoming():
+            if len(self.gathered) >= self.capacity:
+                victim = self._victim(protect=())
+                if victim is None or self._order.next_use(victim.index, self._cursor) <= use:
+                    return
+                self._evict(victim)
+            self._gather(self.chunks[chunk_id], async_op=True)
+
+    def _upcoming(self) -> list[tuple[int, int]]:
+        """The next ``prefetch_depth`` distinct chunks of the order that are not gathered, with their use."""
+        found: dict[int, int] = {}
+        sequence = self._order.sequence
+        for pos in range(self._cursor + 1, len(sequence)):
+            for c in sequence[pos]:
+                if c not in found and self.chunks[c].state is ChunkState.FREE:
+                    found[c] = pos
+                    if len(found) == self.prefetch_depth:
+                        return list(found.items())
+        return list(found.items())
+
+    # ---- step boundary ----------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """After the optimizer step every gathered chunk is stale: free them all."""
+        for chunk in list(self.gathered.values()):
+            assert chunk.pins == 0, f"chunk {chunk.index} is still pinned at the step boundary"
+            self._evict(chunk)
+
+    def unpin_all(self) -> None:
+        """Drop every pin (end of backward: modules whose post-backward never fired)."""
+        for chunk in self.gathered.values():
+            while chunk.pins:
+                chunk.unpin()

@@ -1,0 +1,182 @@
+"""One chunk: a flat buffer of parameters, sharded over ranks, gathered on demand.
+
+[Note: parameter storage]
+Each chunk owns a ``full`` tensor whose views are the module's parameters. Releasing the chunk
+resizes that tensor's *storage* to zero and points each parameter's ``.data`` at an empty
+placeholder; gathering resizes the same storage back and re-points ``.data`` at the views.
+Keeping the storage object alive (rather than allocating a new block per gather) matters for
+autograd: a view of a parameter saved in forward (``w.t()``) refers to this storage, so after the
+pre-backward re-gather it reads the right values even though the chunk was released in between.
+While released, a parameter is a zero-stride expansion of one NaN of the right shape: ``shape``,
+``dim()`` and ``numel()`` stay true (``configure_optimizers`` commonly groups by ``p.dim()``), a
+read outside the hooks yields NaN rather than freed memory, and an in-place write raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_elixir.plan import ChunkSpec
+from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.states import ChunkState, check_transition
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its chunk."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    view: Optional[torch.Tensor] = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class Chunk:
+    """A flat, sharded buffer of parameters with its gradient and master shards."""
+
+    def __init__(self, index: int, spec: ChunkSpec, slots: list[Slot], group: Group, device: torch.device,
+                 compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        self.index = index
+        self.spec = spec
+        self.slots = slots
+        self.group = group
+        self.numel = spec.numel
+        self.shard_numel = spec.numel // group.world_size
+        self.shard_begin = group.rank * self.shard_numel
+        self.reduce_dtype = reduce_dtype
+        self.state = ChunkState.HOLD  # born gathered: views are made while the storage exists
+        self.pins = 0
+        self._gather_work: Any = None
+        nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
+        self._placeholders = [nan.expand(slot.shape) if len(slot.shape) else nan[0] for slot in slots]
+        self.full = torch.zeros(self.numel, dtype=compute_dtype, device=device)
+        for slot in slots:
+            slot.view = self.full[slot.offset:slot.end].view(slot.shape)
+        self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+        same = master_dtype == compute_dtype
+        self.master = self.shard if same else torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
+        self.grad_requiring = {id(s.param) for s in slots if s.param.requires_grad}
+        self.reset_grad_tracking()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def private(self) -> bool:
+        return self.spec.private
+
+    @property
+    def full_bytes(self) -> int:
+        return self.numel * self.full.element_size()
+
+    def _move(self, new: ChunkState) -> None:
+        check_transition(self.index, self.state, new)
+        self.state = new
+
+    def start_gather(self, async_op: bool) -> None:
+        """FREE -> GATHERING: allocate the block and all-gather the shards into it."""
+        self._move(ChunkState.GATHERING)
+        self.full.untyped_storage().resize_(self.full_bytes)
+        self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=async_op)
+
+    def finish_gather(self) -> None:
+        """GATHERING -> HOLD: wait for the all-gather and point parameters at their views."""
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        self._move(ChunkState.HOLD)
+        self.bind_views()
+
+    def pin(self) -> None:
+        """Mark one more running module as computing with this chunk."""
+        if self.pins == 0:
+            self._move(ChunkState.COMPUTE)
+        self.pins += 1
+
+    def unpin(self) -> None:
+        """One running module is done with this chunk."""
+        assert self.pins > 0, f"chunk {self.index} unpinned more often than pinned"
+        self.pins -= 1
+        if self.pins == 0:
+            self._move(ChunkState.HOLD)
+
+    def release(self) -> None:
+        """HOLD -> FREE: free the block; parameters point at an empty placeholder."""
+        self._move(ChunkState.FREE)
+        for slot, placeholder in zip(self.slots, self._placeholders):
+            slot.param.data = placeholder
+        self.full.untyped_storage().resize_(0)
+
+    def bind_views(self) -> None:
+        """Point each parameter's data at its view of the gathered block."""
+        for slot in self.slots:
+            slot.param.data = slot.view
+
+    # ---- gradients --------------------------------------------------------------------------
+
+    def reset_grad_tracking(self) -> None:
+        """Start a new backward: no gradients have arrived yet."""
+        self.pending_grads = set(self.grad_requiring)
+        self.grad_full: Optional[torch.Tensor] = None
+        self._reduce: Optional[tuple[Any, torch.Tensor]] = None
+
+    @property
+    def grads_complete(self) -> bool:
+        return not self.pending_grads
+
+    def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Copy one parameter's gradient into the chunk's full gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.full.device)
+        self.grad_full[slot.offset:slot.end].copy_(grad.reshape(-1))
+        self.pending_grads.discard(id(slot.param))
+
+    def start_reduce(self) -> None:
+        """Average the full gradient over ranks into this rank's shard (async)."""
+        if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
+            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.full.device)
+        if self.group.world_size > 1:
+            self.grad_full.div_(self.group.world_size)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
+        work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True)
+        self._reduce = (work, out)
+
+    def finish_reduce(self, accumulate: bool) -> None:
+        """Wait for the reduce-scatter and write (or add) the result into the gradient shard."""
+        assert self._reduce is not None, f"chunk {self.index}: finish_reduce without start_reduce"
+        work, out = self._reduce
+        work.wait()
+        if accumulate:
+            self.grad_shard.add_(out)
+        else:
+            self.grad_shard.copy_(out)
+        self.grad_full = None
+        self._reduce = None
+
+    @property
+    def reduce_started(self) -> bool:
+        return self._reduce is not None
+
+    # ---- shards -----------------------------------------------------------------------------
+
+    def shard_range(self, slot: Slot) -> tuple[int, int]:
+        """The part of ``slot`` this rank owns, as [begin, end) offsets into the shard (may be empty)."""
+        begin = max(slot.offset, self.shard_begin) - self.shard_begin
+        end = min(slot.end, self.shard_begin + self.shard_numel) - self.shard_begin
+        return begin, max(begin, end)
+
+    def refresh_shard(self) -> None:
+        """Copy the updated master shard into the compute-dtype shard that gets gathered."""
+        if self.master is not self.shard:
+            self.shard.copy_(self.master)

@@ -1,0 +1,133 @@
+"""The sharded optimizer: the user's optimizer over shard views, global clipping, loss scaling.
+
+[Note: shard views]
+The user's optimizer object stays the one Lightning and LR schedulers see. Each parameter in its
+param groups is replaced, in place, by a flat view of this rank's slice of that parameter's fp32
+master shard (empty when the rank owns none of it); the view's ``.grad`` is the matching slice of
+the reduced gradient shard. Element-wise optimizers then compute exactly what they would on the
+full tensor, group hyperparameters (lr, weight_decay, betas) apply unchanged, and the optimizer's
+state dict keeps one entry per original parameter, in the original order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_elixir.runtime import collectives
+
+log = logging.getLogger(__name__)
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
+    """Swap ``optimizer``'s parameters for this rank's shard views, in place; return it."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
+        raise TypeError(f"{type(optimizer).__name__} is not element-wise, so it cannot run on parameter shards; "
+                        f"use one of: {names}")
+    if any(optimizer.state.values()):
+        raise ValueError("the optimizer already has state; create it in configure_optimizers (before any step) "
+                         "and load optimizer state through the strategy's checkpoint loading")
+    for group in optimizer.param_groups:
+        group["params"] = [runtime.view_param(p) for p in group["params"]]
+    return optimizer
+
+
+def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the global gradient norm over all shards of all ranks; return the norm before clipping."""
+    shards = runtime.grad_shards()
+    total = _global_norm(runtime, shards, float(norm_type))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in shards:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _global_norm(runtime, shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    device = runtime.device
+    if math.isinf(norm_type):
+        local = max((g.abs().max().float() for g in shards if g.numel()), default=torch.zeros((), device=device))
+        return collectives.all_reduce_max(local.reshape(1).clone(), runtime.group)[0]
+    local = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in shards:
+        local += g.float().abs().pow(norm_type).sum()
+    return collectives.all_reduce_sum(local, runtime.group)[0].pow(1.0 / norm_type)
+
+
+def clip_grad_value_(runtime, clip_value: float) -> None:
+    """Clamp every gradient element to [-clip_value, clip_value] (element-wise, so local is global)."""
+    for g in runtime.grad_shards():
+        g.clamp_(-clip_value, clip_value)
+
+
+def grads_finite(runtime) -> bool:
+    """Whether every rank's gradient shards are finite: one answer, agreed by all ranks."""
+    bad = torch.zeros(1, dtype=torch.float32, device=runtime.device)
+    for g in runtime.grad_shards():
+        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().reshape(1))
+    return collectives.all_reduce_max(bad, runtime.group).item() == 0
+
+
+@dataclass
+class DynamicLossScaler:
+    """fp16 loss scaling whose overflow decision is the same on every rank."""
+
+    scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    _good_steps: int = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_and_check(self, runtime) -> bool:
+        """Divide the gradient shards by the scale; return True when the step must be skipped."""
+        inv = 1.0 / self.scale
+        for g in runtime.grad_shards():
+            g.mul_(inv)
+        overflow = not grads_finite(runtime)
+        self._update(overflow)
+        return overflow
+
+    def _update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff_factor
+            self._good_steps = 0
+            log.info("gradient overflow: skipping the optimizer step, loss scale now %g", self.scale)
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self._good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+
+
+def optimizer_step(runtime, optimizer: Optimizer, clip_norm: float | None = None, clip_value: float | None = None) -> bool:
+    """Unscale and check (fp16), clip, step and refresh the shards. Returns whether it stepped."""
+    if runtime.scaler is not None and runtime.scaler.unscale_and_check(runtime):
+        runtime.after_step(stepped=False)
+        return False
+    if clip_norm is not None:
+        clip_grad_norm_(runtime, clip_norm)
+    if clip_value is not None:
+        clip_grad_value_(runtime, clip_value)
+    optimizer.step()
+    runtime.after_step(stepped=True)
+    return True
