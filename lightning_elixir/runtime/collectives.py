@@ -33,6 +33,11 @@ class Group:
         return cls(None, dist.get_rank(), dist.get_world_size())
 
 
+# torch 2.13 renamed the *_into_tensor / *_tensor collectives; keep working on both sides of it.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Done:
     """A finished work handle, for the single-process path."""
 
@@ -46,7 +51,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
         if group.world_size == 1:
             out.copy_(shard)
             return _Done() if async_op else None
-        return dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=async_op)
+        return _all_gather_flat(out, shard, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False) -> Any:
@@ -55,7 +60,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
         if group.world_size == 1:
             out.copy_(full)
             return _Done() if async_op else None
-        return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
+        return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:

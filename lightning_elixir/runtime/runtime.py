@@ -87,6 +87,14 @@ class ElixirRuntime:
     def is_public(self, param: nn.Parameter) -> bool:
         return not self._where[id(param)][0].private
 
+    def param_ids(self) -> set[int]:
+        """ids of every parameter the chunks hold."""
+        return set(self._where)
+
+    def view_index(self) -> dict[int, tuple[Chunk, Slot]]:
+        """For each optimizer shard view (by id), the chunk and slot of its parameter."""
+        return {id(view): self._where[pid] for pid, view in self._views.items()}
+
     def trainable_params(self) -> list[nn.Parameter]:
         return [s.param for c in self.chunks for s in c.slots if s.param.requires_grad]
 

@@ -1,0 +1,135 @@
+"""Full (unsharded) state dicts: the model's with its original names, the optimizer's per parameter.
+
+Every rank takes part in the gathers; only ranks that ask (``keep=True``, by default rank 0 of
+the group) keep the gathered tensors, on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.chunk import Chunk, Slot
+
+
+def _gather(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+    full = torch.empty(chunk.numel, dtype=shard.dtype, device=shard.device)
+    collectives.all_gather(full, shard, chunk.group)
+    return full
+
+
+def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
+    """The module's ``state_dict()`` with every parameter gathered from its master shard."""
+    keep = runtime.group.rank == 0 if keep is None else keep
+    values: dict[int, torch.Tensor] = {}
+    for chunk in runtime.chunks:
+        full = _gather(chunk, chunk.master)
+        if keep:
+            for slot in chunk.slots:
+                values[id(slot.param)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
+    if not keep:
+        return {}
+    out = {}
+    for key, value in runtime.module.state_dict(keep_vars=True).items():
+        out[key] = values[id(value)] if id(value) in values else value.detach().cpu().clone()
+    return out
+
+
+def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+    """Load a plain (unsharded) state dict into the master shards and the buffers."""
+    own = runtime.module.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    source = {id(v): state_dict[k] for k, v in own.items() if k in state_dict}
+    runtime.release_all()
+    with torch.no_grad():
+        for chunk in runtime.chunks:
+            _load_chunk(chunk, source)
+        for key, value in own.items():
+            if key in state_dict and id(value) not in runtime.param_ids():
+                value.copy_(state_dict[key])
+
+
+def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
+    lo, hi = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
+    for slot in chunk.slots:
+        tensor = source.get(id(slot.param))
+        if tensor is None:
+            continue
+        if tuple(tensor.shape) != tuple(slot.shape):
+            raise ValueError(f"{slot.name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(slot.shape)}")
+        begin, end = max(slot.offset, lo), min(slot.end, hi)
+        if begin < end:
+            flat = tensor.reshape(-1)[begin - slot.offset:end - slot.offset]
+            chunk.master[begin - lo:end - lo].copy_(flat)
+    chunk.refresh_shard()
+
+
+def _optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, torch.Tensor]]:
+    """(chunk, slot, view) for each optimizer parameter, in state-dict index order."""
+    by_view = runtime.view_index()
+    out = []
+    for group in optimizer.param_groups:
+        for view in group["params"]:
+            if id(view) not in by_view:
+                raise ValueError("the optimizer holds a parameter that is not a shard view; was it set up by the strategy?")
+            out.append((*by_view[id(view)], view))
+    return out
+
+
+def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    return key != "step" and isinstance(value, torch.Tensor) and value.shape == shape
+
+
+def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool] = None) -> dict[str, Any]:
+    """A normal torch optimizer state dict: one entry per original parameter, full-shaped tensors."""
+    keep = runtime.group.rank == 0 if keep is None else keep
+    sharded = optimizer.state_dict()
+    entries = _optimizer_views(runtime, optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for chunk in runtime.chunks:
+        members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
+        if not members:
+            continue
+        first_i, _, first_view = members[0]
+        keys = sorted(k for k, v in sharded["state"][first_i].items() if _is_per_element(k, v, first_view.shape))
+        for i, slot, view in members:
+            state[i] = {k: v for k, v in sharded["state"][i].items() if k not in keys}
+        for key in keys:
+            flat = _shard_buffer(chunk, members, sharded["state"], key)
+            full = _gather(chunk, flat)
+            for i, slot, _ in members:
+                state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
+    if not keep:
+        return {}
+    return {"state": state, "param_groups": sharded["param_groups"]}
+
+
+def _shard_buffer(chunk: Chunk, members: list, state: dict, key: str) -> torch.Tensor:
+    sample = state[members[0][0]][key]
+    flat = torch.zeros(chunk.shard_numel, dtype=sample.dtype, device=chunk.master.device)
+    for i, slot, _ in members:
+        begin, end = chunk.shard_range(slot)
+        flat[begin:end].copy_(state[i][key])
+    return flat
+
+
+def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[str, Any]) -> None:
+    """Load a normal (full) optimizer state dict into the sharded optimizer."""
+    entries = _optimizer_views(runtime, optimizer)
+    if len(full["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer state has {len(full['param_groups'])} param groups, "
+                         f"the optimizer has {len(optimizer.param_groups)}")
+    state = {}
+    for i, param_state in full["state"].items():
+        chunk, slot, view = entries[int(i)]
+        begin, end = chunk.shard_range(slot)
+        lo = chunk.shard_begin + begin - slot.offset
+        state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if _is_per_element(k, v, slot.shape) else v)
+                         for k, v in param_state.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
