@@ -1,6 +1,22 @@
-"""lightning-elixir: profile-driven chunk-based ZeRO sharding and offloading for PyTorch Lightning."""
+"""lightning-elixir: profile-driven chunk-based ZeRO sharding and offloading for PyTorch Lightning.
+
+Importing the package registers the strategy names "elixir", "elixir_spawn", "elixir_zero2" and
+"elixir_zero3" with Lightning.
+"""
 
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
+from lightning_elixir.precision import ElixirPrecision
+from lightning_elixir.strategy import ElixirStrategy
 
-__all__ = ["ChunkSpec", "ElixirPlan", "PlanError"]
+__all__ = ["ChunkSpec", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "PlanError"]
 __version__ = "0.1.0"
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "elixir" not in StrategyRegistry:
+        ElixirStrategy.register_strategies(StrategyRegistry)
+
+
+_register()

@@ -1,0 +1,127 @@
+"""ElixirPrecision: Lightning's precision plugin for chunked parameters and sharded gradients."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_elixir.runtime.optim import DynamicLossScaler, clip_grad_norm_, clip_grad_value_
+
+_DTYPES = {
+    # flag: (compute dtype of the gathered parameters, dtype of masters and optimizer state, autocast dtype)
+    "32-true": (torch.float32, torch.float32, None),
+    "32": (torch.float32, torch.float32, None),
+    "bf16-mixed": (torch.bfloat16, torch.float32, torch.bfloat16),
+    "16-mixed": (torch.float16, torch.float32, torch.float16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, None),
+    "16-true": (torch.float16, torch.float16, None),
+}
+
+
+class ElixirPrecision(Precision):
+    """Mixed and true precision for Elixir: low-precision chunks, fp32 masters, global overflow checks.
+
+    Args:
+        precision: "32-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true".
+        device_type: the autocast device ("cpu" or "cuda"); the strategy sets it from its root device.
+    """
+
+    def __init__(self, precision: str = "32-true", device_type: str = "cpu") -> None:
+        if str(precision) not in _DTYPES:
+            raise ValueError(f"precision={precision!r} is not supported by Elixir; use one of {sorted(_DTYPES)}")
+        self.precision = str(precision)
+        self.device_type = device_type
+        self.compute_dtype, self.master_dtype, self.autocast_dtype = _DTYPES[self.precision]
+        self.scaler = DynamicLossScaler() if self.precision == "16-mixed" else None
+        self.runtime: Any = None  # set by the strategy once the model is chunked
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        if self.precision in ("bf16-true", "16-true"):
+            return module.to(self.compute_dtype)
+        return module
+
+    @contextlib.contextmanager
+    def _default_dtype(self) -> Generator[None, None, None]:
+        if self.precision not in ("bf16-true", "16-true"):
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.compute_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return self._default_dtype()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self._default_dtype()
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=False):
+            yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        if self.scaler is not None:
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        closure_result = closure()
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return closure_result  # training_step returned None: no backward ran, nothing to step
+        overflow = self.scaler is not None and self.scaler.unscale_and_check(self.runtime)
+        self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
+        if overflow:  # every rank agreed: skip this step everywhere
+            self.runtime.after_step(stepped=False)
+            return closure_result
+        output = optimizer.step(**kwargs)
+        self.runtime.after_step(stepped=True)
+        return output
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.runtime, float(clip_val))
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_value_(self.runtime, float(clip_val))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def from_lightning_plugin(plugin: Optional[Precision]) -> ElixirPrecision:
+    """Translate the precision plugin Lightning picked from ``Trainer(precision=...)`` into ours."""
+    if plugin is None or isinstance(plugin, ElixirPrecision):
+        return plugin or ElixirPrecision()
+    flag = str(getattr(plugin, "precision", "32-true"))
+    if flag not in _DTYPES:
+        raise ValueError(f"Trainer(precision={flag!r}) is not supported by the Elixir strategy; "
+                         f"use one of {sorted(_DTYPES)}")
+    return ElixirPrecision(flag)

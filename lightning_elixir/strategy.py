@@ -1,0 +1,303 @@
+"""ElixirStrategy: the Lightning glue. Everything with substance lives in runtime/, search/, profile/."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_elixir.launcher import ElixirSpawnLauncher
+from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError
+from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
+from lightning_elixir.runtime import state_dict as sd
+from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.optim import shard_optimizer
+from lightning_elixir.runtime.runtime import ElixirRuntime
+
+log = logging.getLogger(__name__)
+
+PlanInput = Union[str, ElixirPlan, Mapping[str, Any], os.PathLike]
+
+
+def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
+    """"auto", an ElixirPlan, a dict, a preset name ("zero2"/"zero3") or a path to a plan JSON file."""
+    if isinstance(plan, ElixirPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return ElixirPlan.from_dict(dict(plan))
+    if plan == "auto":
+        return "auto"
+    if isinstance(plan, str) and hasattr(PRESETS, plan):
+        return getattr(PRESETS, plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return ElixirPlan.from_json(plan)
+    raise PlanError(f"plan must be 'auto', 'zero2', 'zero3', an ElixirPlan, a dict or a JSON path, got {type(plan).__name__}")
+
+
+class ElixirStrategy(ParallelStrategy):
+    """Chunk-based ZeRO sharding with a cache of gathered chunks, planned from a profile (Elixir).
+
+    Args:
+        plan: "auto" (profile and search before fit), "zero2", "zero3", an ElixirPlan, a dict, or
+            a path to a plan JSON file.
+        private_params: parameter names that get their own always-gathered chunk, besides the
+            tied ones found automatically (parameters used outside the module that holds them).
+        start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
+        process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
+        timeout: process group timeout.
+    """
+
+    strategy_name = "elixir"
+
+    def __init__(self, plan: PlanInput = "auto", private_params: tuple[str, ...] = (),
+                 accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen") -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method={start_method!r}: use 'popen' or 'spawn'")
+        self.plan = resolve_plan(plan)
+        self.private_params = tuple(private_params)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.num_nodes = 1
+        self.runtime: Optional[ElixirRuntime] = None
+
+    # ---- precision --------------------------------------------------------------------------
+
+    @property
+    @override
+    def precision_plugin(self) -> ElixirPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ElixirPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = from_lightning_plugin(precision_plugin) if precision_plugin is not None else None
+
+    # ---- environment ----------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "spawn":
+            self._launcher = ElixirSpawnLauncher(self)
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- model --------------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model() builds on the meta device; setup materialises chunk by chunk.
+        with torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        if self.runtime is None:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.runtime = self._build_runtime(trainer)
+            self.precision_plugin.runtime = self.runtime
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _build_runtime(self, trainer: Any) -> ElixirRuntime:
+        plan = self._plan_for(trainer)
+        rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
+                       f"prefetch_depth={plan.prefetch_depth}")
+        precision = self.precision_plugin
+        return ElixirRuntime(self.model, plan, device=self.root_device, compute_dtype=precision.compute_dtype,
+                             master_dtype=precision.master_dtype, group=Group.default(),
+                             private_params=self.private_params)
+
+    def _plan_for(self, trainer: Any) -> ElixirPlan:
+        if isinstance(self.plan, ElixirPlan):
+            return self.plan
+        return ElixirPlan(name="auto")
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            shard_optimizer(self.runtime, optimizer)
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # the runtime places chunks and buffers on the root device
+
+    def _begin(self) -> None:
+        if self.runtime is not None:
+            self.runtime.begin_iteration()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin()
+        return super().predict_step(*args, **kwargs)
+
+    # ---- collectives ------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.runtime is not None
+        return sd.full_state_dict(self.runtime, keep=self.is_global_zero)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        sd.load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.runtime is not None
+        return sd.full_optimizer_state_dict(self.runtime, optimizer, keep=self.is_global_zero)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.runtime is not None
+        states = checkpoint.get("optimizer_states", [])
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(self.optimizers)} optimizers "
+                             "are configured")
+        for optimizer, state in zip(self.optimizers, states):
+            sd.load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        tmp = path.with_name(f".{path.name}.tmp")
+        self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated checkpoint
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("elixir", cls, description="Elixir: profile, search and run the fastest plan",
+                                   plan="auto")
+        strategy_registry.register("elixir_spawn", cls, description="Elixir with start_method='spawn'",
+                                   plan="auto", start_method="spawn")
+        for name in ("zero2", "zero3"):
+            strategy_registry.register(f"elixir_{name}", cls, description=f"Elixir with the fixed {name} plan", plan=name)
