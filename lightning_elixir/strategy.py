@@ -118,6 +118,11 @@ class ElixirStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def is_distributed(self) -> bool:
+        """Lightning reads this to shard data with a DistributedSampler."""
+        return True
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}

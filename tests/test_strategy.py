@@ -1,0 +1,100 @@
+"""End-to-end runs through the Lightning Trainer: registry, checkpoints, resume (2 spawned CPU ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_elixir
+from examples.gpt import BigramDataModule, GPTLightningModule
+from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
+
+MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+DATA = dict(vocab_size=64, block_size=16, batch_size=4, num_samples=24)  # 3 steps per epoch on 2 ranks
+
+
+class LossRecorder(Callback):
+    """Appends (global_step, loss) of rank 0 to a JSON-lines file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps([trainer.global_step, outputs["loss"].item()]) + "\n")
+
+
+def _losses(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _trainer(tmp_path, strategy, max_epochs, callbacks, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=max_epochs, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                     default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
+
+
+def test_strategy_names_are_registered():
+    for name in ("elixir", "elixir_zero2", "elixir_zero3", "elixir_spawn"):
+        assert name in StrategyRegistry
+    assert isinstance(StrategyRegistry.get("elixir_zero3"), ElixirStrategy)
+
+
+def test_bad_plan_input_raises_before_any_work(tmp_path):
+    with pytest.raises(PlanError, match="unknown plan key"):
+        ElixirStrategy(plan={"chunk_size": 1024})
+    with pytest.raises(PlanError, match="does not exist"):
+        ElixirStrategy(plan=str(tmp_path / "missing.json"))
+    path = tmp_path / "plan.json"
+    ElixirPlan(chunk_numel=4096, cache_blocks=2).to_json(path)
+    assert ElixirStrategy(plan=str(path)).plan == ElixirPlan(chunk_numel=4096, cache_blocks=2)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two epochs uninterrupted, and one epoch + resume from its checkpoint for the second."""
+    tmp = tmp_path_factory.mktemp("fit")
+    full_log, resumed_log = tmp / "full.jsonl", tmp / "resumed.jsonl"
+    L.seed_everything(0)
+    model = GPTLightningModule(**MODEL)
+    ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True, save_top_k=0)
+    _trainer(tmp / "a", "elixir_spawn", 2, [LossRecorder(str(full_log)), ckpt]).fit(model, BigramDataModule(**DATA))
+    L.seed_everything(0)
+    first = GPTLightningModule(**MODEL)
+    one = ModelCheckpoint(dirpath=tmp / "one", save_last=True, save_top_k=0)
+    _trainer(tmp / "b", "elixir_spawn", 1, [one]).fit(first, BigramDataModule(**DATA))
+    L.seed_everything(0)
+    second = GPTLightningModule(**MODEL)
+    _trainer(tmp / "c", "elixir_spawn", 2, [LossRecorder(str(resumed_log))]).fit(
+        second, BigramDataModule(**DATA), ckpt_path=str(tmp / "one" / "last.ckpt"))
+    return {"model": model, "ckpt": tmp / "ckpt" / "last.ckpt", "full": _losses(full_log),
+            "resumed": _losses(resumed_log)}
+
+
+def test_checkpoint_loads_into_plain_lightning_module(trained):
+    checkpoint = torch.load(trained["ckpt"], weights_only=False)
+    plain = GPTLightningModule(**MODEL)
+    plain.load_state_dict(checkpoint["state_dict"])  # strict: the original names, tied weights included
+    x = torch.randint(64, (2, 16))
+    torch.testing.assert_close(plain(x), trained["model"](x))
+    opt = checkpoint["optimizer_states"][0]
+    params = list(plain.parameters())
+    flat = [i for group in opt["param_groups"] for i in group["params"]]
+    assert sorted(flat) == list(range(len(params)))
+    order = [p for g in plain.configure_optimizers().param_groups for p in g["params"]]
+    for i, p in zip(flat, order):
+        assert opt["state"][i]["exp_avg"].shape == p.shape
+
+
+def test_resume_continues_with_the_same_losses(trained):
+    full, resumed = dict(map(tuple, trained["full"])), dict(map(tuple, trained["resumed"]))
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], rel=1e-5)
