@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from tests.distributed import run_distributed
-from tests.runtime.workloads import TINY, Run, compare
+from tests.runtime.workloads import NO_BIAS, TINY, Run, compare
 
-# Attention's key bias has an exactly zero true gradient (softmax ignores a shift shared by all
-# keys), so Adam turns its rounding noise into full-size updates. Reducing each micro-batch (ZeRO)
-# instead of accumulating locally first (DDP's no_sync) sums in another order, and that parameter
-# alone then drifts past 1e-5; without biases every parameter is well conditioned.
-NO_BIAS = dataclasses.replace(TINY, bias=False)
 SMALL_CHUNK = 4097  # largest parameter (c_fc 128x32) + 1: one or two per chunk, odd so every chunk pads
 LARGE_CHUNK = 1 << 16
 
