@@ -96,7 +96,9 @@ def _replace_meta_params(module: nn.Module, device: torch.device, dtype: torch.d
     for _, p in list(module.named_parameters()):
         if not p.is_meta:
             continue
-        real = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
+        # One element expanded to the right shape: numel/shape stay true until the chunk view is bound.
+        stub = torch.empty(1, dtype=dtype, device=device).expand(p.shape) if p.dim() else torch.empty((), dtype=dtype, device=device)
+        real = nn.Parameter(stub, requires_grad=p.requires_grad)
         real._elixir_meta_shape = p.shape  # type: ignore[attr-defined]
         for _, mod in owners[id(p)]:
             for key, value in mod._parameters.items():

@@ -63,6 +63,7 @@ class ElixirRuntime:
         self._reduce_order = [c for c in reversed(self.public) if c.grad_requiring] + [c for c in self.private if c.grad_requiring]
         self._next_reduce = 0
         self._callback_queued = False
+        self._recompute_pins: list[tuple[int, ...]] = []
         self._views: dict[int, nn.Parameter] = {}
         self._grad_valid = {c.index: False for c in self.chunks}
         self.scaler: Any = None
@@ -120,14 +121,32 @@ class ElixirRuntime:
                 raise RuntimeError(
                     f"module {state.name!r} ran more than once in one forward pass; its parameters are shared "
                     "across uses and need a private chunk: pass private_params=[...] or use plan='auto'")
-        if state.public_ids:
-            self.cache.acquire(state.public_ids)
+        if not state.public_ids:
+            return
+        self.cache.acquire(state.public_ids)
+        if hooks.in_backward():
+            self._recompute_pins.append(state.public_ids)
 
     def after_module(self, state: hooks.ModuleState) -> None:
-        if state.public_ids:
-            self.cache.release_pins(state.public_ids)
+        if not state.public_ids:
+            return
+        if hooks.in_backward():
+            if state.public_ids not in self._recompute_pins:
+                return  # already dropped by _drop_recompute_pins
+            self._recompute_pins.remove(state.public_ids)
+        self.cache.release_pins(state.public_ids)
+
+    def _drop_recompute_pins(self) -> None:
+        """Recomputation under activation checkpointing may stop early, skipping forward hooks.
+
+        Once any backward event arrives, recomputation is over and its pins can go: each
+        module's own backward pins its chunks again before it runs.
+        """
+        while self._recompute_pins:
+            self.cache.release_pins(self._recompute_pins.pop())
 
     def before_module_backward(self, state: hooks.ModuleState) -> None:
+        self._drop_recompute_pins()
         self._queue_finish()
         self.cache.acquire(state.public_ids)
         pending = set(state.trainable) | ({hooks.INPUTS} if state.inputs_need_grad else set())
@@ -135,6 +154,7 @@ class ElixirRuntime:
 
     def module_event(self, state: hooks.ModuleState, key: Any) -> None:
         """One thing a module's backward waits for has happened; unpin once nothing is left."""
+        self._drop_recompute_pins()
         if state.backward_pending is None:
             return
         state.backward_pending.discard(key)
@@ -146,6 +166,7 @@ class ElixirRuntime:
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move the gradient into its chunk and reduce when complete."""
+        self._drop_recompute_pins()
         self._queue_finish()
         chunk, slot = self._where[id(param)]
         chunk.add_grad(slot, param.grad)
@@ -171,6 +192,7 @@ class ElixirRuntime:
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left (missing gradients count as zero), publish shards."""
         self._callback_queued = False
+        self._drop_recompute_pins()
         for chunk in self._reduce_order[self._next_reduce:]:
             chunk.start_reduce()
         for chunk in self._reduce_order:
