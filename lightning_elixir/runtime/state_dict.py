@@ -99,7 +99,7 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool
         first_i, _, first_view = members[0]
         keys = sorted(k for k, v in sharded["state"][first_i].items() if _is_per_element(k, v, first_view.shape))
         for i, slot, view in members:
-            state[i] = {k: v for k, v in sharded["state"][i].items() if k not in keys}
+            state[i] = {k: _detached(v) for k, v in sharded["state"][i].items() if k not in keys}
         for key in keys:
             flat = _shard_buffer(chunk, members, sharded["state"], key)
             full = _gather(chunk, flat)
@@ -108,6 +108,11 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool
     if not keep:
         return {}
     return {"state": state, "param_groups": sharded["param_groups"]}
+
+
+def _detached(value: Any) -> Any:
+    """A CPU copy of a tensor (the optimizer's own 'step' must not be shared with the checkpoint)."""
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _shard_buffer(chunk: Chunk, members: list, state: dict, key: str) -> torch.Tensor:

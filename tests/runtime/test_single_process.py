@@ -1,0 +1,203 @@
+"""Single-process checks: state machine, cache bound, bad input, state-dict round trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import GPT, GPTConfig
+from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
+from lightning_elixir.runtime.cache import CacheTooSmallError
+from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.runtime.state_dict import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from lightning_elixir.runtime.states import ChunkState, IllegalTransition, check_transition
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CONFIG)
+
+
+def _step(model, runtime, opt, seed: int) -> float:
+    x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(seed))
+    loss = F.cross_entropy(model(x).flatten(0, 1), torch.roll(x, -1, 1).flatten())
+    loss.backward()
+    optimizer_step(runtime, opt)
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_state_machine_rejects_illegal_moves():
+    check_transition(0, ChunkState.FREE, ChunkState.GATHERING)
+    for old, new in [(ChunkState.FREE, ChunkState.COMPUTE), (ChunkState.GATHERING, ChunkState.FREE),
+                     (ChunkState.COMPUTE, ChunkState.FREE), (ChunkState.HOLD, ChunkState.GATHERING)]:
+        with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
+            check_transition(3, old, new)
+
+
+def test_releasing_a_pinned_chunk_raises():
+    runtime = ElixirRuntime(_gpt(), ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    chunk = runtime.public[0]
+    runtime.cache.acquire((chunk.index,))
+    with pytest.raises(IllegalTransition):
+        chunk.release()
+
+
+def test_released_parameters_keep_their_shape_and_read_as_nan():
+    model = _gpt()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    for name, p in model.named_parameters():
+        assert p.shape == shapes[name]
+        assert torch.isnan(p).all()
+
+
+def test_too_small_cache_says_how_many_blocks_are_needed():
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = nn.Linear(64, 64)
+            self.c = nn.Linear(64, 64)
+
+    class Outer(nn.Module):  # Wide's linears run inside one module call that holds a parameter
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(64))
+            self.inner = Wide()
+
+        def forward(self, x):
+            return self.inner.c(self.inner.b(self.inner.a(x))) * self.scale
+
+    model = Outer()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64 * 64 + 64, cache_blocks=1))
+    with pytest.raises(CacheTooSmallError, match="at least 2"):
+        model(torch.randn(2, 64))
+    assert runtime.cache.capacity == 1
+
+
+def test_lbfgs_is_rejected_with_the_supported_list():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    with pytest.raises(TypeError, match="LBFGS is not element-wise.*AdamW"):
+        shard_optimizer(runtime, torch.optim.LBFGS(model.parameters()))
+
+
+def test_optimizer_over_foreign_parameters_is_rejected():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        shard_optimizer(runtime, torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1))
+
+
+def test_unknown_plan_key_is_rejected():
+    with pytest.raises(PlanError, match="unknown plan key.*cache_size"):
+        ElixirPlan.from_dict({"cache_size": 3})
+    with pytest.raises(PlanError, match="unknown chunk key"):
+        ElixirPlan.from_dict({"chunks": [{"params": ["a"], "numel": 2, "where": "gpu"}], "world_size": 1})
+
+
+def test_plan_for_another_model_is_rejected():
+    plan = ElixirPlan(chunks=(ChunkSpec(("encoder.weight",), 64),), world_size=1)
+    with pytest.raises(PlanError, match="does not match the model.*encoder.weight"):
+        ElixirRuntime(_gpt(), plan)
+
+
+def test_plan_for_another_world_size_is_rejected():
+    model = _gpt()
+    specs = tuple(ChunkSpec((n,), p.numel() + p.numel() % 2, private=n == "wte.weight")
+                  for n, p in model.named_parameters())
+    with pytest.raises(PlanError, match="world_size=2"):
+        ElixirRuntime(model, ElixirPlan(chunks=specs, world_size=2))
+
+
+def test_explicit_layout_runs_and_matches_implicit_one():
+    model, ref = _gpt(), _gpt()
+    specs = tuple(ChunkSpec((n,), p.numel(), private=n == "wte.weight") for n, p in model.named_parameters())
+    explicit = ElixirRuntime(model, ElixirPlan(chunks=specs, world_size=1, cache_blocks=3))
+    implicit = ElixirRuntime(ref, ElixirPlan(chunk_numel=4096, cache_blocks=3))
+    x = torch.randint(64, (2, 16))
+    explicit.begin_iteration(), implicit.begin_iteration()
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = ElixirPlan(chunk_numel=1024, cache_blocks="min", prefetch_depth=2,
+                      chunks=(ChunkSpec(("a", "b"), 1024), ChunkSpec(("c",), 8, private=True, placement="cpu")),
+                      world_size=2, name="x")
+    assert ElixirPlan.from_json(plan.to_json()) == plan
+    plan.to_json(tmp_path / "p.json")
+    assert ElixirPlan.from_json(str(tmp_path / "p.json")) == plan
+
+
+def test_offload_placement_is_refused_until_it_exists():
+    model = _gpt()
+    specs = tuple(ChunkSpec((n,), p.numel(), private=n == "wte.weight", placement="cpu")
+                  for n, p in model.named_parameters())
+    with pytest.raises(PlanError, match="offload"):
+        ElixirRuntime(model, ElixirPlan(chunks=specs, world_size=1))
+
+
+def test_state_dicts_round_trip_into_a_fresh_runtime():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(3):
+        _step(model, runtime, opt, step)
+    weights, optim = full_state_dict(runtime), full_optimizer_state_dict(runtime, opt)
+    plain = _gpt(1)
+    plain.load_state_dict(weights)
+    assert set(weights) == set(plain.state_dict())
+    x = torch.randint(64, (2, 16))
+    runtime.begin_iteration()
+    torch.testing.assert_close(plain(x), model(x))
+
+    other = _gpt(7)
+    other_rt = ElixirRuntime(other, ElixirPlan(chunk_numel=8192, cache_blocks="all"))
+    other_opt = shard_optimizer(other_rt, torch.optim.AdamW(other.parameters(), lr=1e-2))
+    load_full_state_dict(other_rt, weights)
+    load_full_optimizer_state_dict(other_rt, other_opt, optim)
+    for step in range(3, 6):
+        assert _step(other, other_rt, other_opt, step) == pytest.approx(_step(model, runtime, opt, step), rel=1e-6)
+
+
+def test_loading_a_mismatched_state_dict_fails_before_changing_anything():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    before = full_state_dict(runtime)
+    bad = dict(before)
+    bad.pop("wpe.weight")
+    with pytest.raises(KeyError, match="wpe.weight"):
+        load_full_state_dict(runtime, bad)
+    after = full_state_dict(runtime)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_module_called_twice_needs_a_private_chunk():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    model = Twice()
+    ElixirRuntime(model, ElixirPlan(chunk_numel=64))
+    with pytest.raises(RuntimeError, match="ran more than once.*private"):
+        model(torch.randn(2, 4))
+    ref = copy.deepcopy(Twice())
+    ElixirRuntime(ref, ElixirPlan(chunk_numel=64), private_params=["lin.weight", "lin.bias"])
+    ref(torch.randn(2, 4)).sum().backward()
