@@ -1,7 +1,7 @@
 """lightning-elixir: profile-driven chunk-based ZeRO sharding and offloading for PyTorch Lightning.
 
 Importing the package registers the strategy names "elixir", "elixir_spawn", "elixir_zero2" and
-"elixir_zero3" with Lightning.
+"elixir_zero3" with Lightning (``lightning.pytorch``, and ``pytorch_lightning`` when installed).
 """
 
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
@@ -17,6 +17,9 @@ def _register() -> None:
 
     if "elixir" not in StrategyRegistry:
         ElixirStrategy.register_strategies(StrategyRegistry)
+    from lightning_elixir import mirror
+
+    mirror.register()
 
 
 _register()

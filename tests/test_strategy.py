@@ -47,6 +47,31 @@ def test_strategy_names_are_registered():
     assert isinstance(StrategyRegistry.get("elixir_zero3"), ElixirStrategy)
 
 
+def test_pytorch_lightning_trainer_runs_the_mirrored_strategy():
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
+
+    assert {"elixir", "elixir_zero2", "elixir_zero3"} <= set(PLRegistry)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="elixir_zero3", max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step == 3
+    assert type(trainer.strategy).__module__ == "lightning_elixir.mirror.strategy"
+
+
 def test_bad_plan_input_raises_before_any_work(tmp_path):
     with pytest.raises(PlanError, match="unknown plan key"):
         ElixirStrategy(plan={"chunk_size": 1024})
