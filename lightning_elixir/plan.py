@@ -10,8 +10,9 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Union
 
 PLACEMENTS = ("device", "cpu", "nvme")
@@ -54,7 +55,8 @@ class ElixirPlan:
     """How to partition and place a model: chunk layout, cache size, prefetch, placement."""
 
     chunk_numel: int | None = None
-    """Capacity of a public chunk in elements. None: the largest parameter, at least 1M elements."""
+    """Capacity of a public chunk in elements. None: about a sixteenth of the model, at least the
+    largest parameter and at most 32M elements."""
     cache_blocks: Union[int, str] = CACHE_ALL
     """Chunk-sized blocks for gathered public chunks: an int, "all" (ZeRO-2: nothing is re-gathered
     within a step) or "min" (ZeRO-3: the fewest blocks the model's modules need at once)."""
@@ -204,12 +206,8 @@ def pack_chunks(
     return tuple(public + privates)
 
 
-@dataclass(frozen=True)
-class PresetPlans:
-    """Fixed plans for comparison runs, registered as strategy names."""
-
-    zero2: ElixirPlan = field(default_factory=lambda: ElixirPlan(cache_blocks=CACHE_ALL, name="zero2"))
-    zero3: ElixirPlan = field(default_factory=lambda: ElixirPlan(cache_blocks=CACHE_MIN, name="zero3"))
-
-
-PRESETS = PresetPlans()
+PRESETS: Mapping[str, ElixirPlan] = MappingProxyType({
+    "zero2": ElixirPlan(cache_blocks=CACHE_ALL, name="zero2"),
+    "zero3": ElixirPlan(cache_blocks=CACHE_MIN, name="zero3"),
+})
+"""Fixed plans for comparison runs, registered as the strategy names "elixir_zero2"/"elixir_zero3"."""

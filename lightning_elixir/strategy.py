@@ -53,8 +53,8 @@ def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
         return ElixirPlan.from_dict(dict(plan))
     if plan == "auto":
         return "auto"
-    if isinstance(plan, str) and hasattr(PRESETS, plan):
-        return getattr(PRESETS, plan)
+    if isinstance(plan, str) and plan in PRESETS:
+        return PRESETS[plan]
     if isinstance(plan, (str, os.PathLike)):
         return ElixirPlan.from_json(plan)
     raise PlanError(f"plan must be 'auto', 'zero2', 'zero3', an ElixirPlan, a dict or a JSON path, got {type(plan).__name__}")
