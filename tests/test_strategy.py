@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -13,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_elixir
 from examples.gpt import BigramDataModule, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
+from tests.distributed import free_port
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 DATA = dict(vocab_size=64, block_size=16, batch_size=4, num_samples=24)  # 3 steps per epoch on 2 ranks
@@ -36,6 +38,7 @@ def _losses(path) -> list:
 
 
 def _trainer(tmp_path, strategy, max_epochs, callbacks, **kwargs) -> L.Trainer:
+    os.environ["MASTER_PORT"] = str(free_port())  # a fresh port per fit; Lightning reuses a set one
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=max_epochs, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                      default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
