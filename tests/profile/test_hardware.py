@@ -1,0 +1,173 @@
+"""profile_hardware: JSON round trip, cache reuse and rejection, and two ranks over gloo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_elixir.profile import hardware
+from lightning_elixir.profile.bench import BenchSizes
+from lightning_elixir.profile.hardware import MachineKey, profile_hardware
+from lightning_elixir.profile.types import HardwareProfile, ProfileError
+
+TINY = BenchSizes(matmul_dim=128, copy_bytes=1 << 20, optimizer_numel=1 << 14,
+                  collective_bytes=(1 << 12, 1 << 16), nvme_bytes=1 << 23, iters=2)
+
+
+@pytest.fixture
+def measured(tmp_path):
+    """One real measurement, cached under tmp_path."""
+    return profile_hardware("cpu", cache_dir=tmp_path, sizes=TINY)
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Make any measurement fail the test: the profile must come from the cache."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although a valid cache exists")
+
+    monkeypatch.setattr(hardware, "measure_hardware", refuse)
+
+
+def test_measurement_is_plausible_and_says_what_it_measured(measured):
+    assert measured.device_name == "cpu" and measured.world_size == 1
+    assert measured.matmul_flops_per_s > 1e8 and measured.device_memory_bytes_per_s > 1e8
+    assert [b for b, _ in measured.all_gather_bytes_per_s] == list(TINY.collective_bytes)
+    assert measured.nvme_read_bytes_per_s == measured.nvme_write_bytes_per_s == 0.0
+    assert any("host memory copy" in note for note in measured.notes)
+    assert measured.all_gather_s(1 << 14) > measured.collective_latency_s
+
+
+def test_json_round_trip(measured, tmp_path):
+    path = tmp_path / "hw.json"
+    measured.to_json(path)
+    assert HardwareProfile.from_json(path) == measured
+    assert HardwareProfile.from_json(measured.to_json()) == measured
+
+
+def test_second_call_reuses_the_cache(measured, tmp_path, no_measuring):
+    assert profile_hardware("cpu", cache_dir=tmp_path, sizes=TINY) == measured
+
+
+def test_cache_is_per_compute_dtype(measured, tmp_path, no_measuring):
+    with pytest.raises(AssertionError, match="measured although"):
+        profile_hardware("cpu", cache_dir=tmp_path, sizes=TINY, compute_dtype=torch.bfloat16)
+
+
+def _corrupt_json(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _unknown_key(text: str) -> str:
+    return json.dumps({**json.loads(text), "surprise": 1})
+
+
+def _invalid_value(text: str) -> str:
+    return json.dumps({**json.loads(text), "matmul_flops_per_s": -1.0})
+
+
+def _other_machine(text: str) -> str:
+    return json.dumps({**json.loads(text), "torch_version": "0.0.1"})
+
+
+def _missing_key(text: str) -> str:
+    data = json.loads(text)
+    del data["h2d_bytes_per_s"]
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_json, _unknown_key, _invalid_value, _other_machine, _missing_key])
+def test_corrupted_cache_is_detected_and_measured_again(measured, tmp_path, caplog, corrupt):
+    path = tmp_path / MachineKey.current(torch.device("cpu"), 1, torch.float32).file_name()
+    path.write_text(corrupt(path.read_text()))
+    with caplog.at_level(logging.WARNING, logger=hardware.__name__):
+        again = profile_hardware("cpu", cache_dir=tmp_path, sizes=TINY)
+    assert "measuring again" in caplog.text
+    assert again.torch_version == torch.__version__ and again.matmul_flops_per_s > 0
+    assert HardwareProfile.from_json(path) == again  # the cache is repaired
+
+
+def test_nvme_bandwidth_is_measured_at_a_path(tmp_path):
+    profile = profile_hardware("cpu", cache_dir=tmp_path / "cache", nvme_path=tmp_path, sizes=TINY, refresh=True)
+    assert profile.nvme_read_bytes_per_s > 0 and profile.nvme_write_bytes_per_s > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("elixir-bench-")]
+
+
+def test_arguments_that_would_fail_mid_way_are_refused_up_front(tmp_path):
+    with pytest.raises(ValueError, match="all_gather"):
+        profile_hardware("cpu", world_size=2, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="nvme_path"):
+        profile_hardware("cpu", nvme_path=tmp_path / "missing", cache_dir=tmp_path)
+
+
+def test_an_unwritable_cache_warns_and_still_returns(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger=hardware.__name__):
+        profile = profile_hardware("cpu", cache_dir=blocker, sizes=TINY)
+    assert profile.matmul_flops_per_s > 0 and "could not cache" in caplog.text
+
+
+def test_invalid_profiles_are_rejected(measured):
+    with pytest.raises(ProfileError):
+        HardwareProfile.from_json(json.dumps({**json.loads(measured.to_json()), "all_gather_bytes_per_s": []}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    calls = []
+
+    def all_gather(out, inp):
+        calls.append(("all_gather", out.numel()))
+        dist.all_gather_single(out, inp)
+
+    def reduce_scatter(out, inp):
+        calls.append(("reduce_scatter", inp.numel()))
+        dist.reduce_scatter_single(out, inp)
+
+    try:
+        results = []
+        for attempt in range(3):  # 2nd: from the cache on both ranks; 3rd: rank 1 lost its cache
+            if attempt == 2 and rank == 1:
+                for path in Path(f"{out_dir}/cache{rank}").iterdir():
+                    path.unlink()
+            dist.barrier()
+            calls.clear()
+            profile = profile_hardware("cpu", world_size, all_gather, reduce_scatter,
+                                       cache_dir=f"{out_dir}/cache{rank}", sizes=TINY)
+            results.append({"profile": profile.to_json(), "calls": list(calls)})
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_run_the_same_collectives_and_agree(tmp_path):
+    world_size = 2
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    measured, cached, _ = ([HardwareProfile.from_json(rank[i]["profile"]) for rank in ranks] for i in range(3))
+    assert measured[0] == measured[1] and measured[0].world_size == world_size
+    assert [b for b, _ in measured[0].reduce_scatter_bytes_per_s] == list(TINY.collective_bytes)
+    assert ranks[0][0]["calls"] == ranks[1][0]["calls"]
+    assert {name for name, _ in ranks[0][0]["calls"]} == {"all_gather", "reduce_scatter"}
+    # From the cache: only the two agreement all-gathers (every rank cached? slowest rank's numbers?).
+    assert ranks[0][1]["calls"] == ranks[1][1]["calls"]
+    assert [name for name, _ in ranks[0][1]["calls"]] == ["all_gather", "all_gather"]
+    assert cached == measured
+    # One rank without a cache: every rank measures again, with the same collectives.
+    assert ranks[0][2]["calls"] == ranks[1][2]["calls"] == ranks[0][0]["calls"]
