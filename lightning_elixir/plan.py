@@ -151,6 +151,19 @@ def round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
 
 
+DEFAULT_CHUNK_NUMEL = 32 * 1024 * 1024
+"""Largest default chunk capacity: big enough that collectives run near peak bandwidth."""
+DEFAULT_MIN_CHUNKS = 16
+"""Without a searched plan, aim for at least this many public chunks, so that gathers and
+reduce-scatters of one chunk overlap with compute on the others."""
+
+
+def default_chunk_numel(public_numels: Sequence[int]) -> int:
+    """The chunk capacity of a plan that leaves ``chunk_numel`` unset."""
+    numels = list(public_numels) or [1]
+    return max(max(numels), min(DEFAULT_CHUNK_NUMEL, -(-sum(numels) // DEFAULT_MIN_CHUNKS)))
+
+
 def slot_offsets(numels: Sequence[int]) -> list[int]:
     """Offset of each parameter inside its chunk, each aligned to ``ALIGN_NUMEL`` elements."""
     offsets, used = [], 0

@@ -16,17 +16,18 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError, chunk_used_numel, pack_chunks, slot_offsets
+from lightning_elixir.plan import (
+    ChunkSpec,
+    ElixirPlan,
+    PlanError,
+    chunk_used_numel,
+    default_chunk_numel,
+    pack_chunks,
+    slot_offsets,
+)
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.collectives import Group
-
-DEFAULT_CHUNK_NUMEL = 32 * 1024 * 1024
-"""Largest default chunk capacity: big enough that collectives run near peak bandwidth."""
-DEFAULT_MIN_CHUNKS = 16
-"""Without a searched plan, aim for at least this many public chunks, so that gathers and
-reduce-scatters of one chunk overlap with compute on the others."""
-
 
 def param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     """For each parameter (by id), every (module name, module) that holds it directly."""
@@ -49,9 +50,7 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     named = list(module.named_parameters())
     shared = shared_param_names(module) | set(private)
     if not plan.chunks:
-        public = [p.numel() for n, p in named if n not in shared] or [1]
-        default = max(max(public), min(DEFAULT_CHUNK_NUMEL, -(-sum(public) // DEFAULT_MIN_CHUNKS)))
-        chunk_numel = plan.chunk_numel or default
+        chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared])
         return pack_chunks([(n, p.numel()) for n, p in named], chunk_numel, world_size, shared)
     _check_plan_matches(plan, named, world_size, shared)
     return plan.chunks

@@ -1,0 +1,288 @@
+"""Cost model: the predicted seconds of one optimizer step, from the measured HardwareProfile.
+
+[Note: overlap]
+Every overlap assumption of the search lives in ``timeline`` and ``step_time_s`` below:
+
+1. Forward/backward (``timeline``). One compute stream and one communication stream; collectives
+   run one at a time in issue order (NCCL serialises them on its stream).
+   - Private chunks are gathered first; the first access waits for them.
+   - A demand gather is issued when the previous access has finished computing (its block may
+     hold a chunk that access still reads) and the access waits for it: demand gathers are exposed.
+   - Prefetches are issued when the access that triggered them starts computing and overlap it (and
+     any later compute until their chunk's use).
+   - A chunk's reduce-scatter is issued when its last backward access finishes; it overlaps the rest
+     of the backward and delays collectives queued after it.
+2. Host traffic. The fp32 gradient shard of an offloaded chunk is copied to the host on its own copy
+   stream after every reduce-scatter of that chunk (one at a time, in completion order), so it
+   overlaps the rest of the backward; the last copies are exposed.
+3. Optimizer (``step_time_s``). The device optimizer runs after the backward. The host part (CPU
+   AdamW on offloaded shards, NVMe read and write-back of master and optimizer states, and the
+   upload of the updated compute-dtype shards) starts when the device optimizer and the last
+   gradient copy are done, and is a per-chunk pipeline whose slowest stage sets its time (fill and
+   drain ignored). We do not overlap the host step with the device step: the device step is short,
+   and counting them in sequence makes offloading a strict cost, so the search offloads only
+   when memory forces it. The runtime uploads updated shards lazily on the next gather; we charge
+   the upload here, where it overlaps the CPU updates of later chunks in the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_elixir.profile.types import HardwareProfile, ModelProfile
+from lightning_elixir.search.layout import Layout, reduce_positions
+from lightning_elixir.search.memory import state_bytes
+from lightning_elixir.search.options import SearchOptions
+from lightning_elixir.search.simulate import SimResult
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Seconds each chunk costs, per operation, on this hardware (index = chunk index)."""
+
+    gather_s: tuple[float, ...]
+    """All-gather of the full chunk in the compute dtype."""
+    reduce_s: tuple[float, ...]
+    """Reduce-scatter of the chunk's gradient."""
+    d2h_s: tuple[float, ...]
+    """Copy of the gradient shard to the host (offloaded chunks, every micro-batch)."""
+    h2d_s: tuple[float, ...]
+    """Upload of the updated compute-dtype parameter shard (offloaded chunks, every step)."""
+    device_optimizer_s: tuple[float, ...]
+    """Optimizer update of the shard on the device."""
+    cpu_optimizer_s: tuple[float, ...]
+    """Optimizer update of the shard on the CPU."""
+    nvme_s: tuple[float, ...]
+    """Reading and writing back master and optimizer states of the shard on NVMe."""
+
+    def __post_init__(self) -> None:
+        columns = [getattr(self, f) for f in self.__dataclass_fields__]
+        if len({len(c) for c in columns}) > 1:
+            raise ValueError("ChunkTimes needs one value per chunk in every field")
+        if any(v < 0 for c in columns for v in c):
+            raise ValueError("ChunkTimes must be >= 0")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The forward/backward part of a step (all micro-batches), before the optimizer."""
+
+    end_s: float
+    """When compute and every collective have finished."""
+    reduce_done: tuple[tuple[float, int], ...]
+    """(completion time, chunk) of every reduce-scatter, in completion order."""
+    compute_s: float
+    """Pure compute seconds."""
+    all_gather_s: float
+    """Seconds of all-gathers (busy time of the communication stream)."""
+    reduce_scatter_s: float
+    """Seconds of reduce-scatters."""
+
+    def __post_init__(self) -> None:
+        if min(self.end_s, self.compute_s, self.all_gather_s, self.reduce_scatter_s) < 0:
+            raise ValueError("a timeline's times must be >= 0")
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Predicted seconds of one optimizer step, by component (busy time, not exposed time)."""
+
+    compute_s: float
+    """Forward and backward compute of every micro-batch."""
+    all_gather_s: float
+    """All-gathers of chunks (private and public)."""
+    reduce_scatter_s: float
+    """Reduce-scatters of gradients."""
+    forward_backward_s: float
+    """Forward and backward with communication overlapped (see [Note: overlap])."""
+    d2h_s: float
+    """Gradient-shard copies to the host."""
+    copy_done_s: float
+    """When the last gradient-shard copy finishes (0 without offload)."""
+    device_optimizer_s: float
+    """Optimizer on the device-placed shards."""
+    cpu_optimizer_s: float
+    """Optimizer on the host for offloaded shards."""
+    nvme_s: float
+    """NVMe reads and writes of offloaded states."""
+    h2d_s: float
+    """Uploads of updated parameter shards."""
+    step_s: float
+    """The predicted step time."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value >= 0.0:
+                raise ValueError(f"CostBreakdown.{name} must be >= 0, got {value}")
+
+    @property
+    def host_s(self) -> float:
+        """The host pipeline after the backward: its slowest stage."""
+        return max(self.cpu_optimizer_s, self.nvme_s, self.h2d_s)
+
+    @property
+    def exposed_communication_s(self) -> float:
+        """Forward/backward time not spent computing."""
+        return self.forward_backward_s - self.compute_s
+
+
+@dataclass(frozen=True)
+class PlacementCost:
+    """Seconds a placement of every chunk's state adds to a step, apart from the copy stream."""
+
+    offloaded: tuple[bool, ...]
+    """Per chunk: its state is off the device."""
+    d2h_s: float
+    """Gradient-shard copies of one step (every micro-batch)."""
+    device_optimizer_s: float
+    """Optimizer on device-placed shards."""
+    cpu_optimizer_s: float
+    """Optimizer on the host for offloaded shards."""
+    nvme_s: float
+    """NVMe paging of NVMe-placed shards."""
+    h2d_s: float
+    """Uploads of updated parameter shards."""
+
+    def __post_init__(self) -> None:
+        if min(self.d2h_s, self.device_optimizer_s, self.cpu_optimizer_s, self.nvme_s, self.h2d_s) < 0:
+            raise ValueError("a placement's times must be >= 0")
+
+
+def access_compute_s(model: ModelProfile) -> tuple[float, ...]:
+    """Compute seconds per access; spread the phase totals evenly when accesses carry none."""
+    per_access = tuple(a.compute_s for a in model.accesses)
+    if sum(per_access) > 0 or not model.accesses:
+        return per_access
+    forward = [a.phase == "forward" for a in model.accesses]
+    n_fwd, n_bwd = sum(forward), len(forward) - sum(forward)
+    fwd_s = model.forward_compute_s / n_fwd if n_fwd else 0.0
+    bwd_s = model.backward_compute_s / n_bwd if n_bwd else 0.0
+    return tuple(fwd_s if f else bwd_s for f in forward)
+
+
+def chunk_times(layout: Layout, model: ModelProfile, hardware: HardwareProfile, options: SearchOptions) -> ChunkTimes:
+    """Per-chunk seconds of every operation the step performs on it."""
+    per = state_bytes(model, options)
+    nvme_bytes_per_s = (hardware.nvme_read_bytes_per_s, hardware.nvme_write_bytes_per_s)
+    out: dict[str, list[float]] = {name: [] for name in ChunkTimes.__dataclass_fields__}
+    for spec in layout.chunks:
+        shard = spec.numel // layout.world_size
+        paged = shard * per.nvme("nvme")
+        out["gather_s"].append(hardware.all_gather_s(spec.numel * per.param))
+        out["reduce_s"].append(hardware.reduce_scatter_s(spec.numel * per.reduce))
+        out["d2h_s"].append(shard * per.grad / hardware.d2h_bytes_per_s)
+        out["h2d_s"].append(shard * per.param / hardware.h2d_bytes_per_s)
+        out["device_optimizer_s"].append(shard / hardware.optimizer_device_numel_per_s)
+        out["cpu_optimizer_s"].append(shard / hardware.optimizer_cpu_numel_per_s)
+        out["nvme_s"].append(sum(paged / bw if bw > 0 else float("inf") for bw in nvme_bytes_per_s))
+    return ChunkTimes(**{name: tuple(values) for name, values in out.items()})
+
+
+def reduce_schedule(layout: Layout, model: ModelProfile, micro_batches: int) -> tuple[tuple[int, ...], ...]:
+    """Per access position of the step, the chunks reduce-scattered after it."""
+    n = len(model.accesses)
+    at: list[list[int]] = [[] for _ in range(n)]
+    for chunk, position in enumerate(reduce_positions(layout, model)):
+        if n and position is not None:
+            at[position].append(chunk)
+    return tuple(tuple(chunks) for chunks in at) * micro_batches
+
+
+def timeline(
+    layout: Layout,
+    needs: tuple[tuple[int, ...], ...],
+    sim: SimResult,
+    compute_s: tuple[float, ...],
+    reduced: tuple[tuple[int, ...], ...],
+    times: ChunkTimes,
+) -> Timeline:
+    """Overlap compute and collectives of the forward/backward passes (rules in [Note: overlap]).
+
+    ``needs``, ``compute_s`` and ``reduced`` are per access position of the whole step (micro-batches
+    concatenated), as in ``sim``.
+    """
+    g, r = times.gather_s, times.reduce_s
+    comm_free = compute_free = sum(g[c] for c in layout.private)
+    ready = [0.0] * len(layout.chunks)
+    done = []
+    for p, need in enumerate(needs):
+        for c in sim.demand[p]:
+            comm_free = max(comm_free, compute_free) + g[c]
+            ready[c] = comm_free
+        begin = max([compute_free] + [ready[c] for c in need])
+        for c in sim.prefetched[p]:
+            comm_free = max(comm_free, begin) + g[c]
+            ready[c] = comm_free
+        compute_free = begin + compute_s[p]
+        for c in reduced[p]:
+            comm_free = max(comm_free, compute_free) + r[c]
+            done.append((comm_free, c))
+    gathers_s = sum(g[c] for c in sim.sequence)
+    reduces_s = sum(r[c] for _, c in done)
+    return Timeline(max(compute_free, comm_free), tuple(done), sum(compute_s), gathers_s, reduces_s)
+
+
+def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
+                offloaded: tuple[bool, ...]) -> float:
+    """When the copy stream has moved every offloaded gradient shard to the host."""
+    free = 0.0
+    for t, c in reduce_done:
+        if offloaded[c]:
+            free = max(free, t) + d2h_s[c]
+    return free
+
+
+def step_time_s(forward_backward_s: float, copy_done: float, device_optimizer_s: float, host_s: float) -> float:
+    """The step's end from its parts: device optimizer after the backward, host pipeline after both
+    it and the last gradient copy (see [Note: overlap])."""
+    device_done = forward_backward_s + device_optimizer_s
+    if host_s == 0.0 and copy_done == 0.0:
+        return device_done
+    return max(device_done, copy_done) + host_s
+
+
+def placement_cost(times: ChunkTimes, placements: tuple[str, ...], micro_batches: int) -> PlacementCost:
+    """Sum the per-chunk times of a placement."""
+    offloaded = [p != "device" for p in placements]
+    return PlacementCost(
+        offloaded=tuple(offloaded),
+        d2h_s=_masked_sum(times.d2h_s, offloaded) * micro_batches,
+        device_optimizer_s=_masked_sum(times.device_optimizer_s, [not o for o in offloaded]),
+        cpu_optimizer_s=_masked_sum(times.cpu_optimizer_s, offloaded),
+        nvme_s=_masked_sum(times.nvme_s, [p == "nvme" for p in placements]),
+        h2d_s=_masked_sum(times.h2d_s, offloaded),
+    )
+
+
+def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost) -> CostBreakdown:
+    """The cost of a step whose forward/backward is ``tl`` and whose state is placed as given."""
+    p = placement
+    copy_done = copy_done_s(tl.reduce_done, times.d2h_s, p.offloaded) if any(p.offloaded) else 0.0
+    step = step_time_s(tl.end_s, copy_done, p.device_optimizer_s, max(p.cpu_optimizer_s, p.nvme_s, p.h2d_s))
+    return CostBreakdown(tl.compute_s, tl.all_gather_s, tl.reduce_scatter_s, tl.end_s, p.d2h_s, copy_done,
+                         p.device_optimizer_s, p.cpu_optimizer_s, p.nvme_s, p.h2d_s, step)
+
+
+def _masked_sum(values: tuple[float, ...], mask: list[bool]) -> float:
+    """Sum of ``values`` where ``mask`` is true."""
+    return sum(v for v, m in zip(values, mask) if m)
+
+
+def network_floor_s(gathered_bytes: int, reduced_bytes: int, collectives: int, hardware: HardwareProfile) -> float:
+    """Seconds a step's collectives take at least: each pays the launch latency, and the bytes move
+    at the best measured bandwidths."""
+    all_gather = max(bw for _, bw in hardware.all_gather_bytes_per_s)
+    reduce_scatter = max(bw for _, bw in hardware.reduce_scatter_bytes_per_s)
+    latency_s = collectives * hardware.collective_latency_s
+    return latency_s + gathered_bytes / all_gather + reduced_bytes / reduce_scatter
+
+
+def host_floor_s(placement: PlacementCost) -> float:
+    """Seconds of host work a placement forces: gradient copies, then the slowest of the uploads, the
+    NVMe paging and the CPU optimizer (all at measured speeds).
+
+    Every step pays at least this (see [Note: overlap]): the copies share one stream, and the host
+    pipeline that follows lasts as long as its slowest stage.
+    """
+    p = placement
+    return p.d2h_s + max(p.h2d_s, p.nvme_s, p.cpu_optimizer_s)

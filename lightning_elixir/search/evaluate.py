@@ -1,0 +1,60 @@
+"""Predict the step time and memory of a given plan (a fixed preset, a user's plan, or the winner)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_elixir.plan import ElixirPlan, PlanError
+from lightning_elixir.profile.types import HardwareProfile, ModelProfile
+from lightning_elixir.search.cost import (CostBreakdown, access_compute_s, chunk_times, placement_cost, reduce_schedule,
+                                          step_cost, timeline)
+from lightning_elixir.search.layout import access_chunks, layout_from_plan
+from lightning_elixir.search.memory import MemoryBreakdown, memory_breakdown
+from lightning_elixir.search.options import SearchOptions, dtype_bytes
+from lightning_elixir.search.simulate import SimResult, resolve_cache_blocks, simulate
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    """What the models predict for one plan."""
+
+    cost: CostBreakdown
+    """Predicted seconds of one optimizer step."""
+    memory: MemoryBreakdown
+    """Predicted memory of one rank."""
+    sim: SimResult
+    """The gathers of one step."""
+
+
+def evaluate_plan(
+    plan: ElixirPlan,
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    options: SearchOptions = SearchOptions(),
+) -> PlanPrediction:
+    """Predict a plan's step time and device peak with the search's own models.
+
+    Args:
+        plan: the plan; without explicit chunks it is packed in first-use order from ``chunk_numel``
+            at ``options.world_size``. Its ``reduce_in_fp32`` overrides the options'.
+        model: the profile.
+        hardware: the measured hardware.
+        options: world size, micro-batches, state sizes and margins.
+
+    Returns:
+        The predicted cost, memory and gathers.
+    """
+    if plan.world_size is not None and plan.world_size != options.world_size:
+        raise PlanError(f"the plan was built for world size {plan.world_size}, not {options.world_size}")
+    options = dataclasses.replace(options, reduce_in_fp32=plan.reduce_in_fp32)
+    layout = layout_from_plan(dataclasses.replace(plan, world_size=options.world_size), model)
+    needs = access_chunks(layout, model)
+    blocks = resolve_cache_blocks(plan.cache_blocks, needs, len(layout.public))
+    m = options.micro_batches
+    sim = simulate(layout, needs, blocks, plan.prefetch_depth, m, dtype_bytes(model.compute_dtype))
+    times = chunk_times(layout, model, hardware, options)
+    tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times)
+    placements = tuple(spec.placement for spec in layout.chunks)
+    cost = step_cost(tl, times, placement_cost(times, placements, m))
+    return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)

@@ -1,0 +1,69 @@
+"""Memory model: every component of the predicted peak, worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lightning_elixir.search import SearchOptions, build_layout, memory_breakdown
+from tests.search.profiles import chain_profile
+
+# Two parameters of 100 elements, one chunk each (100 elements, world size 2 -> shards of 50).
+OPTIONS = SearchOptions(world_size=2, margin_fraction=0.05, margin_bytes=0, reduce_buffers=2)
+
+
+def test_all_on_device_in_bf16():
+    model = chain_profile([[100], [100]], activation_bytes=1000)
+    layout = build_layout(model, 100, 2)
+    m = memory_breakdown(layout, model, 2, ("device", "device"), OPTIONS)
+    assert m.param_shard_bytes == 2 * 50 * 2  # bf16 shards
+    assert m.device_state_bytes == 2 * 50 * (4 + 8 + 4)  # fp32 master + AdamW + fp32 grad
+    assert m.cache_bytes == 2 * 100 * 2  # two blocks of a full bf16 chunk
+    assert m.private_bytes == 0
+    assert m.reduce_buffer_bytes == 2 * 100 * 4  # two fp32 full-chunk gradient buffers
+    assert m.activation_bytes == 1000
+    subtotal = 200 + 1600 + 400 + 800 + 1000
+    assert m.margin_bytes == subtotal * 5 // 100
+    assert m.peak_bytes == 4200
+    assert m.host_bytes == m.nvme_bytes == 0
+
+
+def test_offloading_moves_state_off_the_device():
+    model = chain_profile([[100], [100]], activation_bytes=1000)
+    layout = build_layout(model, 100, 2)
+    cpu = memory_breakdown(layout, model, 2, ("device", "cpu"), OPTIONS)
+    assert cpu.device_state_bytes == 50 * 16
+    assert cpu.host_bytes == 50 * 16
+    assert cpu.peak_bytes == (4000 - 800) * 105 // 100
+    nvme = memory_breakdown(layout, model, 2, ("device", "nvme"), OPTIONS)
+    assert nvme.host_bytes == 50 * 4  # the gradient shard is staged on the host
+    assert nvme.nvme_bytes == 50 * (4 + 8)  # master and optimizer states are paged
+    assert nvme.peak_bytes == cpu.peak_bytes
+
+
+def test_fewer_blocks_and_a_private_chunk():
+    model = chain_profile([[100], [100], [40]], activation_bytes=0, shared=(2,))
+    layout = build_layout(model, 100, 2)
+    m = memory_breakdown(layout, model, 1, ("device",) * 3, dataclasses.replace(OPTIONS, margin_fraction=0.0))
+    assert m.cache_bytes == 1 * 100 * 2
+    assert m.private_bytes == 40 * 2  # gathered all step
+    assert m.param_shard_bytes == 240 // 2 * 2
+    assert m.peak_bytes == 240 + 240 // 2 * 16 + 200 + 80 + 800
+
+
+def test_fp32_keeps_one_copy_and_reduces_in_fp32():
+    model = chain_profile([[100], [100]], activation_bytes=1000, compute_dtype="float32")
+    layout = build_layout(model, 100, 2)
+    m = memory_breakdown(layout, model, 2, ("device", "device"), OPTIONS)
+    assert m.param_shard_bytes == 2 * 50 * 4  # the fp32 shard is the master
+    assert m.device_state_bytes == 2 * 50 * (8 + 4)
+    assert m.cache_bytes == 2 * 100 * 4
+    assert m.peak_bytes == (400 + 1200 + 800 + 800 + 1000) * 105 // 100
+    off = memory_breakdown(layout, model, 2, ("device", "cpu"), OPTIONS)
+    assert off.host_bytes == 50 * (4 + 8 + 4)  # the host updates its own fp32 copy
+
+
+def test_half_precision_reduce_halves_the_buffers():
+    model = chain_profile([[100], [100]])
+    layout = build_layout(model, 100, 2)
+    options = dataclasses.replace(OPTIONS, reduce_in_fp32=False)
+    assert memory_breakdown(layout, model, 2, ("device",) * 2, options).reduce_buffer_bytes == 2 * 100 * 2
