@@ -34,7 +34,9 @@ from typing_extensions import override
 
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError
+from lightning_elixir.planner import PlanningResult, first_batch, plan_automatically
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
+from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import shard_optimizer
@@ -68,6 +70,10 @@ class ElixirStrategy(ParallelStrategy):
             a path to a plan JSON file.
         private_params: parameter names that get their own always-gathered chunk, besides the
             tied ones found automatically (parameters used outside the module that holds them).
+        device_memory_limit: the memory budget per device for plan="auto": bytes, a string such as
+            "40GiB", or a fraction of the device's memory. Default: all of it.
+        hardware_profile: a HardwareProfile (or a path to its JSON) to plan with instead of
+            measuring this machine, e.g. to plan for a GPU cluster from a laptop.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -76,6 +82,8 @@ class ElixirStrategy(ParallelStrategy):
     strategy_name = "elixir"
 
     def __init__(self, plan: PlanInput = "auto", private_params: tuple[str, ...] = (),
+                 device_memory_limit: Union[int, float, str, None] = None,
+                 hardware_profile: Union[HardwareProfile, str, None] = None,
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -87,6 +95,9 @@ class ElixirStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r}: use 'popen' or 'spawn'")
         self.plan = resolve_plan(plan)
         self.private_params = tuple(private_params)
+        self.device_memory_limit = device_memory_limit
+        self.hardware_profile = hardware_profile
+        self.planning: Optional[PlanningResult] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -190,12 +201,19 @@ class ElixirStrategy(ParallelStrategy):
         precision = self.precision_plugin
         return ElixirRuntime(self.model, plan, device=self.root_device, compute_dtype=precision.compute_dtype,
                              master_dtype=precision.master_dtype, group=Group.default(),
-                             private_params=self.private_params)
+                             private_params=self.private_params, grow_cache=self.planning is not None)
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
             return self.plan
-        return ElixirPlan(name="auto")
+        precision = self.precision_plugin
+        self.planning = plan_automatically(
+            self.model, first_batch(trainer), device=self.root_device, group=Group.default(),
+            compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
+            micro_batches=trainer.accumulate_grad_batches, memory_limit=self.device_memory_limit,
+            local_world_size=self.num_processes, hardware=self.hardware_profile)
+        rank_zero_info(self.planning.report.summary())
+        return self.planning.plan
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:

@@ -32,11 +32,13 @@ class ElixirRuntime:
         master_dtype: dtype of the master shards the optimizer updates (default: compute dtype).
         group: the data-parallel group (default: the world, or a single process).
         private_params: names that get their own always-gathered chunk, besides the tied ones.
+        grow_cache: let an int ``cache_blocks`` grow when more chunks are needed at once than it
+            allows (a searched plan's prediction was short) instead of raising.
     """
 
     def __init__(self, module: nn.Module, plan: Optional[ElixirPlan] = None, *, device: Union[str, torch.device] = "cpu",
                  compute_dtype: torch.dtype = torch.float32, master_dtype: Optional[torch.dtype] = None,
-                 group: Optional[Group] = None, private_params: Iterable[str] = ()) -> None:
+                 group: Optional[Group] = None, private_params: Iterable[str] = (), grow_cache: bool = False) -> None:
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
@@ -55,7 +57,8 @@ class ElixirRuntime:
         self.private = [c for c in self.chunks if c.private]
         self._where: dict[int, tuple[Chunk, Slot]] = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
         self.handles: list[Any] = []
-        self.cache = ChunkCache(self.public, self._capacity(), self.plan.cache_blocks == CACHE_MIN, self.plan.prefetch_depth)
+        grow = grow_cache or self.plan.cache_blocks == CACHE_MIN
+        self.cache = ChunkCache(self.public, self._capacity(), grow, self.plan.prefetch_depth)
         self.states = hooks.install(self, module)
         if self.plan.cache_blocks == CACHE_MIN:
             self.cache.capacity = max([len(s.public_ids) for s in self.states] + [1])
