@@ -110,7 +110,8 @@ def _levers(frugal: Frugal, model: ModelProfile, hardware: HardwareProfile, budg
 def _offload_lever(hardware: HardwareProfile, options: SearchOptions) -> str:
     """Why sharded state is still on the device in the most frugal plan, and what to change."""
     if not options.offload_placements:
-        return "allow offloading sharded state: allow_cpu=True, or set an nvme_path"
+        return ("offloading sharded state to CPU or NVMe would help, but these search options keep it on the "
+                "device (allow_cpu=False, nvme_available=False)")
     if not options.nvme_available:
         return (f"CPU memory is the limit (host_memory_bytes={options.host_memory_bytes:,}): set an nvme_path so "
                 "the rest of the optimizer state can go to NVMe, or allow more pinned host memory")

@@ -49,7 +49,8 @@ def test_cpu_memory_limit_points_at_nvme():
 
 def test_offload_disabled_says_so():
     err = no_fit(MODEL, 40_000, options(allow_cpu=False))
-    assert "allow offloading sharded state" in str(err)
+    assert "offloading sharded state to CPU or NVMe would help" in str(err)
+    assert "allow_cpu=False" in str(err)
 
 
 def test_nvme_without_measured_bandwidth_says_so():

@@ -1,0 +1,100 @@
+"""plan="auto" end to end: the search's simulation agrees with the runtime; planning through the Trainer."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from examples.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
+from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir.planner import plan_automatically
+from lightning_elixir.profile import profile_model
+from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.search import NoPlanFitsError, build_layout, simulate_gathers
+from tests.distributed import free_port
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return x, torch.roll(x, -1, 1)
+
+
+def _step(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+    torch.manual_seed(0)
+    return GPT(CONFIG), profile_model(GPT(CONFIG), _batch(), step_fn=_step)
+
+
+@pytest.mark.parametrize("chunk_numel", [4097, 12000])
+@pytest.mark.parametrize("blocks,prefetch", [("all", 1), ("min", 0), ("min", 1), (2, 0), (3, 1), (3, 2), (5, 2)])
+def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, chunk_numel, blocks, prefetch):
+    base, profile = gpt_profile
+    layout = build_layout(profile, chunk_numel, world_size=1)
+    plan = ElixirPlan(chunks=layout.chunks, world_size=1, cache_blocks=blocks, prefetch_depth=prefetch)
+    model = copy.deepcopy(base)
+    runtime = ElixirRuntime(model, plan)
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.01))
+    per_step = []
+    for _ in range(3):
+        before = runtime.cache.gathers + runtime.private_gathers
+        _step(model, _batch()).backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        per_step.append(runtime.cache.gathers + runtime.private_gathers - before)
+    expected = simulate_gathers(plan, profile).gathers
+    assert per_step[1] == per_step[2] == expected
+
+
+def test_a_budget_below_the_minimum_fails_before_training_with_the_minimum():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with pytest.raises(NoPlanFitsError, match="(?s)needs at least .*MiB.*more devices"):
+        plan_automatically(model, _batch()[0], device=torch.device("cpu"), group=Group(None, 0, 1),
+                           compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                           memory_limit=64 * 1024)
+
+
+class PlanRecorder(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        with open(f"{self.path}.rank{trainer.global_rank}", "w") as f:
+            json.dump({"plan": strategy.planning.plan.to_dict(), "summary": strategy.planning.report.summary(),
+                       "loss": trainer.callback_metrics["train_loss"].item()}, f)
+
+
+def test_auto_plans_through_the_trainer_and_every_rank_runs_the_same_plan(tmp_path):
+    os.environ["MASTER_PORT"] = str(free_port())
+    L.seed_everything(0)
+    model = GPTLightningModule(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    record = str(tmp_path / "plan")
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=ElixirStrategy(plan="auto", start_method="spawn", device_memory_limit="2GiB"),
+                        callbacks=[PlanRecorder(record)])
+    trainer.fit(model, BigramDataModule(vocab_size=64, block_size=16, batch_size=4, num_samples=64))
+    ranks = [json.load(open(f"{record}.rank{r}")) for r in range(2)]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    plan = ElixirPlan.from_dict(ranks[0]["plan"])
+    assert plan.name == "auto" and plan.world_size == 2 and plan.chunks
+    assert any(spec.private and spec.params == ("model.wte.weight",) for spec in plan.chunks)
+    assert "budget 2.00 GiB" in ranks[0]["summary"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in ranks)
