@@ -125,19 +125,24 @@ class ElixirPlan:
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike) -> "ElixirPlan":
         """Load from a JSON string or a path to a JSON file."""
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            if not os.path.isfile(text):
-                raise PlanError(f"plan file {text!r} does not exist")
-            with open(text) as f:
-                text = f.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"plan is not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise PlanError("a plan JSON must be an object")
-        return cls.from_dict(data)
+        return cls.from_dict(load_json_object(text_or_path, "plan", PlanError))
+
+
+def load_json_object(text_or_path: str | os.PathLike, what: str, error: type[Exception]) -> dict[str, Any]:
+    """A JSON object from a string or a file, or ``error`` saying what is wrong with it."""
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        if not os.path.isfile(text):
+            raise error(f"{what} file {text!r} does not exist")
+        with open(text) as f:
+            text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{what} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise error(f"a {what} JSON must be an object")
+    return data
 
 
 def _reject_unknown(cls: type, data: dict[str, Any], what: str) -> None:

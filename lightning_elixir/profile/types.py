@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_elixir.plan import load_json_object
+
 PHASES = ("forward", "backward", "recompute")
 
 
@@ -28,17 +30,7 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
 
 
 def _load_json(text_or_path: str | os.PathLike) -> dict[str, Any]:
-    text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
-        with open(text) as f:
-            text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ProfileError(f"profile is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ProfileError("a profile JSON must be an object")
-    return data
+    return load_json_object(text_or_path, "profile", ProfileError)
 
 
 @dataclass(frozen=True)
