@@ -186,7 +186,7 @@ class ElixirStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
-        if self.runtime is None:
+        if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
             self.model = self.precision_plugin.convert_module(self.model)
             self.runtime = self._build_runtime(trainer)
             self.precision_plugin.runtime = self.runtime
