@@ -126,3 +126,20 @@ def test_resume_continues_with_the_same_losses(trained):
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], rel=1e-5)
+
+
+def test_trainer_with_accumulation_and_clipping_tracks_ddp(tmp_path):
+    """The same fit through Lightning's DDP and through Elixir: clipping and accumulation go through
+    ElixirPrecision, the optimizer and LR scheduler are the user's objects."""
+    logs = {}
+    for strategy in ("ddp_spawn", "elixir_spawn"):
+        logs[strategy] = tmp_path / f"{strategy}.jsonl"
+        L.seed_everything(0)
+        model = GPTLightningModule(**MODEL)
+        trainer = _trainer(tmp_path / strategy, strategy, 1, [LossRecorder(str(logs[strategy]))],
+                           accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+        trainer.fit(model, BigramDataModule(**{**DATA, "num_samples": 48}))
+    ddp, elixir = _losses(logs["ddp_spawn"]), _losses(logs["elixir_spawn"])
+    assert len(ddp) == len(elixir) == 6
+    for (step_a, a), (step_b, b) in zip(ddp, elixir):
+        assert step_a == step_b and a == pytest.approx(b, rel=1e-4)
