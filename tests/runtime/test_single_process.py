@@ -201,3 +201,22 @@ def test_module_called_twice_needs_a_private_chunk():
     ref = copy.deepcopy(Twice())
     ElixirRuntime(ref, ElixirPlan(chunk_numel=64), private_params=["lin.weight", "lin.bias"])
     ref(torch.randn(2, 4)).sum().backward()
+
+
+def test_lr_scheduler_drives_the_sharded_optimizer():
+    model, ref = _gpt(), _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.3) for o in (opt, ref_opt)]
+    for step in range(4):
+        ours = _step(model, runtime, opt, step)
+        x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = F.cross_entropy(ref(x).flatten(0, 1), torch.roll(x, -1, 1).flatten())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert ours == pytest.approx(loss.item(), rel=1e-6)
+        for sched in scheds:
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.3 ** 4)
