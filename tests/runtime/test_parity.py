@@ -75,3 +75,10 @@ def test_cache_never_holds_more_than_its_blocks(fp32_results):
         assert zero3["stats"]["peak_gathered_public_chunks"] <= zero3["capacity"] < zero3["num_public"]
         zero2 = rank_result[1]["elixir"]
         assert zero2["stats"]["peak_gathered_public_chunks"] == zero2["num_public"]
+
+
+def test_world_size_four_matches_ddp():
+    # Over four ranks gloo's reduce-scatter and DDP's all-reduce sum in different orders (see NO_BIAS).
+    runs = [Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks=CACHE_MIN), steps=8, batch=2, config=NO_BIAS)]
+    for rank_result in run_distributed(compare, 4, runs):
+        _assert_parity(rank_result[0], 1e-5)
