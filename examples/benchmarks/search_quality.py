@@ -430,7 +430,8 @@ def _print_header(args: argparse.Namespace, result: dict, load_before: float) ->
           f"(other work: anything above ~0.3 shares the CPUs with the ranks and makes timings noisy)")
     print(f"hardware now: matmul {hw.matmul_flops_per_s / 1e9:.1f} GFLOP/s, all-gather "
           f"{hw.all_gather_bytes_per_s[-1][1] / 1e9:.2f} GB/s, collective latency "
-          f"{hw.collective_latency_s * 1e6:.0f} us, AdamW {hw.optimizer_device_numel_per_s / 1e6:.0f} M/s; "
+          f"{hw.collective_latency_s * 1e6:.0f} us, comm overlap {hw.comm_overlap:.2f}, "
+          f"AdamW {hw.optimizer_device_numel_per_s / 1e6:.0f} M/s; "
           f"profile's compute {result['compute_s'] * 1e3:.0f} ms (profiled in {result['profile_s']:.2f} s)")
     print("search options: margin_bytes=0 and margin_fraction=0, so that on this small model the budgets measure "
           "model state (shards, gathered blocks, activations), not a fixed 256 MiB workspace; no offload")

@@ -1,18 +1,51 @@
-"""Timed microbenchmarks of one machine: matmul, memory copy, host transfer, optimizer, NVMe.
+"""Timed microbenchmarks of one machine: matmul, memory copy, host transfer, optimizer, NVMe,
+and how much of a collective hides behind compute.
 
-Each function returns a speed (per second) and allocates only what it measures, freed on return.
-Sizes are fixed per device kind so every rank runs the same work (the collective benchmark runs
-a deterministic sequence of collectives: see [Note: same collectives on every rank] in
-``hardware.py``). Together they take a few seconds on a GPU and about a second on a CPU.
+Each function returns a speed (per second) or a fraction and allocates only what it measures, freed
+on return. Sizes are fixed per device kind so every rank runs the same work (the collective
+benchmarks run a deterministic sequence of collectives: see [Note: same collectives on every rank]
+in ``hardware.py``). Together they take a few seconds on a GPU and about two on a CPU.
+
+[Note: measuring communication overlap]
+The cost model lets a prefetch or a reduce-scatter run while compute runs, and charges the compute
+``(1 - comm_overlap)`` of the collective's time for it. On a GPU, NCCL has its own engine and
+takes almost nothing from compute; on a CPU, gloo copies, sums and moves bytes through sockets on
+the cores the compute needs. So we measure that charge. Per round: a matmul step alone (``t_step``),
+a fixed number of collectives alone (``t_m``), then the collectives again in a background thread
+while this thread runs matmul steps until they are done: ``n`` steps in a window of ``t_window``.
+The compute the collectives cost is what the window did not compute, so
+
+    overlap = 1 - (t_window - n * t_step) / t_m,   clamped to [0, 1] (timing noise).
+
+We do not use the makespan of a fixed compute loop and the collectives run together,
+``(t_c + t_m - t_both) / min(t_c, t_m)``: it also counts how much the collectives are stretched by
+the compute. On 2 cores with 2 gloo ranks they stretch ~2.5x while the compute loses ~80% of their
+time, so it reads ~0, and the search would never prefetch, though a prefetch measurably pays there.
+
+- The injected collectives are synchronous, so they run in a thread, which waits with the GIL
+  released while gloo or NCCL works. On an accelerator the thread issues on a stream of its own (on
+  the current stream its collectives would queue behind the matmuls) and synchronises it before it
+  says it is done; each matmul step synchronises the current stream, alone and in the window alike.
+- Every phase starts after a tiny all-gather, so that no rank's collectives wait for a rank still
+  computing in the phase before (that wait would count as lost compute).
+- Each round pairs phases close in time; the median over rounds counts, so a burst of other load
+  on the machine sways one round, not the result. This is the noisiest number of the profile (on
+  a 2-core VM single rounds spread over most of [0, 1]; medians of 8 over ~0.05-0.3); the ranks
+  keep the smallest.
+- Every rank runs the same collectives; only the number of matmul steps, which run none, is
+  rank-local.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -38,13 +71,21 @@ class BenchSizes:
     """Bytes written and read back for NVMe bandwidth."""
     iters: int
     """Timed repetitions of each benchmark (after one warm-up)."""
+    overlap_collectives: int = 4
+    """Collectives (all-gathers and reduce-scatters in turn, at the largest collective size) that
+    the overlap benchmark times alone and beside compute."""
+    overlap_rounds: int = 8
+    """Rounds of the overlap benchmark; the median of their estimates counts."""
 
     @classmethod
     def for_device(cls, device: torch.device) -> "BenchSizes":
         """Default sizes for ``device``'s kind."""
         if device.type == "cpu":
-            return cls(1024, 64 * _MiB, 4 * _MiB, (256 * 1024, _MiB, 4 * _MiB), 64 * _MiB, 3)
-        return cls(8192, 1024 * _MiB, 64 * _MiB, (2 * _MiB, 8 * _MiB, 32 * _MiB, 128 * _MiB), 512 * _MiB, 10)
+            # Four 4 MiB collectives take ~20 ms over gloo on loopback: the overlap benchmark ~0.9 s.
+            return cls(1024, 64 * _MiB, 4 * _MiB, (256 * 1024, _MiB, 4 * _MiB), 64 * _MiB, 3,
+                       overlap_collectives=4, overlap_rounds=8)
+        return cls(8192, 1024 * _MiB, 64 * _MiB, (2 * _MiB, 8 * _MiB, 32 * _MiB, 128 * _MiB), 512 * _MiB, 10,
+                   overlap_collectives=8, overlap_rounds=10)
 
 
 def synchronize(device: torch.device) -> None:
@@ -103,6 +144,27 @@ def collective_s(fn: Collective, out_bytes: int, in_bytes: int, device: torch.de
     return time_s(lambda: fn(out, inp), device, iters)
 
 
+def comm_overlap(all_gather: Collective, reduce_scatter: Collective, world_size: int, device: torch.device,
+                 dtype: torch.dtype, sizes: BenchSizes) -> float:
+    """Fraction of a collective's time that compute running at the same time does not lose
+    (see [Note: measuring communication overlap])."""
+    communicate = _alternating_collectives(all_gather, reduce_scatter, world_size, device, sizes)
+    sync = partial(all_gather, torch.empty(world_size, device=device), torch.zeros(1, device=device))
+    step = _matmul_step(device, dtype, sizes.matmul_dim // 4)
+    communicate()  # warm-up
+    steps = max(1, round(_phase_s(communicate, sync, device) / time_s(step, device, 10)))
+    rounds = [_overlap_round(communicate, step, steps, sync, device) for _ in range(sizes.overlap_rounds)]
+    return statistics.median(rounds)
+
+
+def hidden_fraction(comm_s: float, window_s: float, computed_s: float) -> float:
+    """How much of a collective's time (``comm_s`` alone) compute did not lose while it ran: in a
+    window of ``window_s`` the compute did ``computed_s`` of work (clamped to [0, 1])."""
+    if comm_s <= 0.0:
+        return 1.0
+    return min(max(1.0 - (window_s - computed_s) / comm_s, 0.0), 1.0)
+
+
 def local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:
     """The world-size-1 stand-in for a collective: copy the input into (the start of) the output."""
     out[: inp.numel()].copy_(inp)
@@ -129,6 +191,105 @@ def nvme_bytes_per_s(path: str | os.PathLike, nbytes: int) -> tuple[float, float
         os.close(fd)
         os.unlink(name)
     return nbytes / read_s, nbytes / write_s
+
+
+def _alternating_collectives(all_gather: Collective, reduce_scatter: Collective, world_size: int,
+                             device: torch.device, sizes: BenchSizes) -> Callable[[], None]:
+    """``sizes.overlap_collectives`` all-gathers and reduce-scatters in turn, at the largest size."""
+    shard_numel = sizes.collective_bytes[-1] // (4 * world_size)
+    gathered = torch.empty(shard_numel * world_size, device=device)
+    shard = torch.ones(shard_numel, device=device)
+    grads = torch.ones(shard_numel * world_size, device=device)
+    reduced = torch.empty(shard_numel, device=device)
+
+    def communicate() -> None:
+        for i in range(sizes.overlap_collectives):
+            if i % 2 == 0:
+                all_gather(gathered, shard)
+            else:
+                reduce_scatter(reduced, grads)
+
+    return communicate
+
+
+def _matmul_step(device: torch.device, dtype: torch.dtype, n: int) -> Callable[[], None]:
+    """One ``n`` x ``n`` matmul in ``dtype`` on the current stream, waited for."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty_like(a)
+
+    def step() -> None:
+        torch.mm(a, b, out=out)
+        if device.type != "cpu":
+            torch.accelerator.current_stream(device).synchronize()
+
+    return step
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    """Call ``fn`` ``times`` times."""
+    for _ in range(times):
+        fn()
+
+
+def _phase_s(fn: Callable[[], object], sync: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn``, started after ``sync`` (every rank at once) and an idle device."""
+    sync()
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _overlap_round(communicate: Callable[[], None], step: Callable[[], None], steps: int,
+                   sync: Callable[[], object], device: torch.device) -> float:
+    """One estimate of the overlap: matmul steps alone, the collectives alone, then both at once."""
+    step_s = _phase_s(partial(_repeat, step, steps), sync, device) / steps
+    comm_s = _phase_s(communicate, sync, device)
+    sync()
+    synchronize(device)
+    window_s, done = _steps_while(communicate, step, device)
+    return hidden_fraction(comm_s, window_s, done * step_s)
+
+
+def _steps_while(background: Callable[[], None], step: Callable[[], None], device: torch.device) -> tuple[float, int]:
+    """Seconds ``background`` takes in a thread (on its own stream on an accelerator), and how many
+    times ``step`` ran in this thread meanwhile."""
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _run_on_side_stream(background, device)
+        except BaseException as err:  # re-raised in the caller's thread
+            errors.append(err)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name="elixir-bench-comm", daemon=True)
+    steps, start = 0, time.perf_counter()
+    thread.start()
+    try:
+        while not done.is_set():
+            step()
+            steps += 1
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start, steps
+
+
+def _run_on_side_stream(fn: Callable[[], None], device: torch.device) -> None:
+    """``fn()`` on a stream of its own, waited for (on the CPU: just ``fn()``)."""
+    if device.type == "cpu":
+        fn()
+        return
+    stream = torch.Stream(device)
+    with stream:
+        fn()
+    stream.synchronize()
 
 
 def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -12,7 +12,8 @@ A collective that one rank calls and another does not hangs the job. So the sequ
 depends on rank-local state: (1) with world_size > 1 the ranks first all-gather whether each has a
 valid cache, and all measure unless all have one; (2) the measurement runs fixed sizes and
 iteration counts; (3) the ranks all-gather their numbers and keep the slowest (lowest speed,
-highest latency), so every rank returns the same profile and the search makes the same plan.
+highest latency, least communication overlap), so every rank returns the same profile and the
+search makes the same plan.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ from lightning_elixir.profile.types import HardwareProfile, ProfileError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/lightning_elixir")
+CACHE_FORMAT = 2
+"""Part of the cache file name. Bump it when HardwareProfile gains a measured field: a profile
+cached before would load with the field's default (v2: ``comm_overlap``, which defaults to 1.0)."""
 _POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s")
-_SPEED_FIELDS = ("device_memory_bytes", "matmul_flops_per_s", "device_memory_bytes_per_s", "h2d_bytes_per_s",
-                 "d2h_bytes_per_s", "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s",
-                 "nvme_read_bytes_per_s", "nvme_write_bytes_per_s")
+# Fields whose worst case over ranks is their smallest value.
+_MIN_FIELDS = ("device_memory_bytes", "matmul_flops_per_s", "device_memory_bytes_per_s", "h2d_bytes_per_s",
+               "d2h_bytes_per_s", "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s",
+               "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "comm_overlap")
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class MachineKey:
         return cls(name, count, world_size, torch.__version__, _dtype_name(compute_dtype))
 
     def file_name(self) -> str:
-        """The cache file name for this key."""
-        raw = f"hardware-{self.device_name}-x{self.device_count}-ws{self.world_size}-torch{self.torch_version}"
+        """The cache file name for this key (and the cache format)."""
+        raw = (f"hardware-v{CACHE_FORMAT}-{self.device_name}-x{self.device_count}-ws{self.world_size}"
+               f"-torch{self.torch_version}")
         return re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{raw}-{self.compute_dtype}") + ".json"
 
     def matches(self, profile: HardwareProfile) -> bool:
@@ -146,6 +152,8 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     optimizer_cpu = optimizer_device if device.type == "cpu" else bench.optimizer_numel_per_s(
         cpu, BenchSizes.for_device(cpu).optimizer_numel, sizes.iters)
     nvme_read, nvme_write = bench.nvme_bytes_per_s(nvme_path, sizes.nvme_bytes) if nvme_path else (0.0, 0.0)
+    overlap = bench.comm_overlap(all_gather or bench.local_copy, reduce_scatter or bench.local_copy, key.world_size,
+                                 device, dtype, sizes)
     return HardwareProfile(
         device_name=key.device_name, device_count=key.device_count, world_size=key.world_size,
         torch_version=key.torch_version, device_memory_bytes=_device_memory_bytes(device),
@@ -155,7 +163,8 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
         all_gather_bytes_per_s=gather_points, reduce_scatter_bytes_per_s=scatter_points,
         optimizer_device_numel_per_s=optimizer_device, optimizer_cpu_numel_per_s=optimizer_cpu,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
-        collective_latency_s=latency_s, compute_dtype=key.compute_dtype, notes=_notes(device, key.world_size, all_gather),
+        collective_latency_s=latency_s, comm_overlap=overlap, compute_dtype=key.compute_dtype,
+        notes=_notes(device, key.world_size, all_gather),
     )
 
 
@@ -224,11 +233,11 @@ def _usable_on_every_rank(cached: HardwareProfile | None, all_gather: Collective
 
 def _slowest_rank(profile: HardwareProfile, all_gather: Collective | None, world_size: int,
                   device: torch.device) -> HardwareProfile:
-    """The profile with every speed the lowest and the latency the highest over ranks."""
+    """The profile with every speed and the overlap the lowest, and the latency the highest, over ranks."""
     if world_size == 1:
         return profile
     # Latency is negated so that "min over ranks" is the worst case for every entry.
-    mine = [float(getattr(profile, name)) for name in _SPEED_FIELDS] + [-profile.collective_latency_s]
+    mine = [float(getattr(profile, name)) for name in _MIN_FIELDS] + [-profile.collective_latency_s]
     mine += [bw for name in _POINT_FIELDS for _, bw in getattr(profile, name)]
     every = torch.empty(world_size * len(mine), dtype=torch.float64, device=device)
     all_gather(every, torch.tensor(mine, dtype=torch.float64, device=device))
@@ -238,10 +247,10 @@ def _slowest_rank(profile: HardwareProfile, all_gather: Collective | None, world
 
 def _with_values(profile: HardwareProfile, values: list[float]) -> HardwareProfile:
     """``profile`` with the values of ``_slowest_rank``'s vector put back in their fields."""
-    changes: dict[str, object] = dict(zip(_SPEED_FIELDS, values))
+    changes: dict[str, object] = dict(zip(_MIN_FIELDS, values))
     changes["device_memory_bytes"] = int(changes["device_memory_bytes"])
-    changes["collective_latency_s"] = -values[len(_SPEED_FIELDS)]
-    rest = iter(values[len(_SPEED_FIELDS) + 1:])
+    changes["collective_latency_s"] = -values[len(_MIN_FIELDS)]
+    rest = iter(values[len(_MIN_FIELDS) + 1:])
     for name in _POINT_FIELDS:
         changes[name] = tuple((nbytes, next(rest)) for nbytes, _ in getattr(profile, name))
     return dataclasses.replace(profile, **changes)

@@ -185,6 +185,11 @@ class HardwareProfile:
     """Write bandwidth at the NVMe path (0: not measured / no path)."""
     collective_latency_s: float = 0.0
     """Fixed cost of launching one collective."""
+    comm_overlap: float = 1.0
+    """Fraction of a collective's duration that can hide behind compute running at the same time;
+    the compute loses the rest. 1.0: communication has its own engine and takes nothing from compute
+    (NCCL on a GPU); 0.0: it takes the same cores compute needs (gloo on a busy CPU), so overlapping
+    it saves nothing. 1.0 unless measured (a hand-written profile keeps the GPU assumption)."""
     compute_dtype: str = "float32"
     """The dtype ``matmul_flops_per_s`` was measured in."""
     notes: tuple[str, ...] = ()
@@ -201,6 +206,8 @@ class HardwareProfile:
                      "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s"):
             if not getattr(self, name) > 0:
                 raise ProfileError(f"{name} must be positive")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ProfileError(f"comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
 
     def all_gather_s(self, nbytes: int) -> float:
         """Predicted seconds to all-gather a chunk of ``nbytes`` (full size)."""

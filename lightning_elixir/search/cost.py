@@ -1,7 +1,8 @@
 """Cost model: the predicted seconds of one optimizer step, from the measured HardwareProfile.
 
 [Note: overlap]
-Every overlap assumption of the search lives in ``timeline`` and ``step_time_s`` below:
+Every overlap assumption of the search lives in ``timeline``, ``step_time_s`` and ``overlapped_s``
+below:
 
 1. Forward/backward (``timeline``). One compute stream and one communication stream; collectives
    run one at a time in issue order (NCCL serialises them on its stream).
@@ -12,6 +13,22 @@ Every overlap assumption of the search lives in ``timeline`` and ``step_time_s``
      any later compute until their chunk's use).
    - A chunk's reduce-scatter is issued when its last backward access finishes; it overlaps the rest
      of the backward and delays collectives queued after it.
+   - Contention. A collective running beside compute hides only to the measured extent
+     ``HardwareProfile.comm_overlap`` ([Note: measuring communication overlap] in
+     ``profile/bench.py``): the rest, ``(1 - comm_overlap)`` of its time, the compute loses (gloo
+     on a CPU runs on the cores the compute needs; NCCL on a GPU takes almost nothing). ``timeline``
+     charges it after scheduling, to first order: forward/backward = makespan + (1 - overlap) *
+     hidden, where hidden is the communication that ran beside compute. On this schedule compute
+     waits only while the communication stream is busy (every collective is issued no later than
+     the compute it precedes ends), so the makespan is compute plus exposed communication, and
+     hidden = compute + communication - makespan. The rule is exact at both ends (overlap 1: the
+     schedule; overlap 0: compute + communication, nothing overlaps), and in between it charges
+     what the benchmark measures: compute lost per second of collective running beside it. It
+     leaves out that stretched compute issues later collectives later, and that a collective
+     beside compute runs slower than alone (on a CPU it does: a prefetch may then arrive late);
+     reduce-scatter completion times (which start the copy stream, below) stay on the schedule's
+     clock. The lower bound uses the same rule (``overlapped_s``): a step's compute and the least
+     traffic any plan must move take at least ``max(compute, network) + (1 - overlap) * min(...)``.
 2. Host traffic. The fp32 gradient shard of an offloaded chunk is copied to the host on its own copy
    stream after every reduce-scatter of that chunk (one at a time, in completion order), so it
    overlaps the rest of the backward; the last copies are exposed.
@@ -68,7 +85,7 @@ class Timeline:
     """The forward/backward part of a step (all micro-batches), before the optimizer."""
 
     end_s: float
-    """When compute and every collective have finished."""
+    """When compute and every collective have finished, on the schedule (before contention)."""
     reduce_done: tuple[tuple[float, int], ...]
     """(completion time, chunk) of every reduce-scatter, in completion order."""
     compute_s: float
@@ -77,10 +94,18 @@ class Timeline:
     """Seconds of all-gathers (busy time of the communication stream)."""
     reduce_scatter_s: float
     """Seconds of reduce-scatters."""
+    contention_s: float
+    """Compute seconds lost to the collectives that run beside it: ``(1 - comm_overlap)`` of the
+    communication the schedule hides (see [Note: overlap]); not in ``end_s``."""
 
     def __post_init__(self) -> None:
-        if min(self.end_s, self.compute_s, self.all_gather_s, self.reduce_scatter_s) < 0:
+        if min(self.end_s, self.compute_s, self.all_gather_s, self.reduce_scatter_s, self.contention_s) < 0:
             raise ValueError("a timeline's times must be >= 0")
+
+    @property
+    def forward_backward_s(self) -> float:
+        """The forward/backward's predicted seconds: the schedule stretched by contention."""
+        return self.end_s + self.contention_s
 
 
 @dataclass(frozen=True)
@@ -94,7 +119,9 @@ class CostBreakdown:
     reduce_scatter_s: float
     """Reduce-scatters of gradients."""
     forward_backward_s: float
-    """Forward and backward with communication overlapped (see [Note: overlap])."""
+    """Forward and backward with communication overlapped, contention included (see [Note: overlap])."""
+    contention_s: float
+    """Compute time lost to the collectives overlapped with it (part of ``forward_backward_s``)."""
     d2h_s: float
     """Gradient-shard copies to the host."""
     copy_done_s: float
@@ -122,7 +149,7 @@ class CostBreakdown:
 
     @property
     def exposed_communication_s(self) -> float:
-        """Forward/backward time not spent computing."""
+        """Forward/backward time not spent computing (contention included)."""
         return self.forward_backward_s - self.compute_s
 
 
@@ -195,11 +222,12 @@ def timeline(
     compute_s: tuple[float, ...],
     reduced: tuple[tuple[int, ...], ...],
     times: ChunkTimes,
+    comm_overlap: float,
 ) -> Timeline:
     """Overlap compute and collectives of the forward/backward passes (rules in [Note: overlap]).
 
     ``needs``, ``compute_s`` and ``reduced`` are per access position of the whole step (micro-batches
-    concatenated), as in ``sim``.
+    concatenated), as in ``sim``. ``comm_overlap`` is ``HardwareProfile.comm_overlap``.
     """
     g, r = times.gather_s, times.reduce_s
     comm_free = compute_free = sum(g[c] for c in layout.private)
@@ -217,9 +245,11 @@ def timeline(
         for c in reduced[p]:
             comm_free = max(comm_free, compute_free) + r[c]
             done.append((comm_free, c))
+    end_s, busy_s = max(compute_free, comm_free), sum(compute_s)
     gathers_s = sum(g[c] for c in sim.sequence)
     reduces_s = sum(r[c] for _, c in done)
-    return Timeline(max(compute_free, comm_free), tuple(done), sum(compute_s), gathers_s, reduces_s)
+    hidden_s = max(busy_s + gathers_s + reduces_s - end_s, 0.0)  # 0 up to rounding at least
+    return Timeline(end_s, tuple(done), busy_s, gathers_s, reduces_s, (1.0 - comm_overlap) * hidden_s)
 
 
 def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
@@ -258,9 +288,10 @@ def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost) -> Cost
     """The cost of a step whose forward/backward is ``tl`` and whose state is placed as given."""
     p = placement
     copy_done = copy_done_s(tl.reduce_done, times.d2h_s, p.offloaded) if any(p.offloaded) else 0.0
-    step = step_time_s(tl.end_s, copy_done, p.device_optimizer_s, max(p.cpu_optimizer_s, p.nvme_s, p.h2d_s))
-    return CostBreakdown(tl.compute_s, tl.all_gather_s, tl.reduce_scatter_s, tl.end_s, p.d2h_s, copy_done,
-                         p.device_optimizer_s, p.cpu_optimizer_s, p.nvme_s, p.h2d_s, step)
+    fwd_bwd_s = tl.forward_backward_s
+    step = step_time_s(fwd_bwd_s, copy_done, p.device_optimizer_s, max(p.cpu_optimizer_s, p.nvme_s, p.h2d_s))
+    return CostBreakdown(tl.compute_s, tl.all_gather_s, tl.reduce_scatter_s, fwd_bwd_s, tl.contention_s,
+                         p.d2h_s, copy_done, p.device_optimizer_s, p.cpu_optimizer_s, p.nvme_s, p.h2d_s, step)
 
 
 def _masked_sum(values: tuple[float, ...], mask: list[bool]) -> float:
@@ -275,6 +306,12 @@ def network_floor_s(gathered_bytes: int, reduced_bytes: int, collectives: int, h
     reduce_scatter = max(bw for _, bw in hardware.reduce_scatter_bytes_per_s)
     latency_s = collectives * hardware.collective_latency_s
     return latency_s + gathered_bytes / all_gather + reduced_bytes / reduce_scatter
+
+
+def overlapped_s(compute_s: float, comm_s: float, comm_overlap: float) -> float:
+    """Seconds compute and communication take together when ``comm_overlap`` of the shorter hides
+    behind the longer (see [Note: overlap]): the longer, plus what of the shorter does not hide."""
+    return max(compute_s, comm_s) + (1.0 - comm_overlap) * min(compute_s, comm_s)
 
 
 def host_floor_s(placement: PlacementCost) -> float:

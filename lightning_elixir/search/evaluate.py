@@ -54,7 +54,8 @@ def evaluate_plan(
     m = options.micro_batches
     sim = simulate(layout, needs, blocks, plan.prefetch_depth, m, dtype_bytes(model.compute_dtype))
     times = chunk_times(layout, model, hardware, options)
-    tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times)
+    tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times,
+                  hardware.comm_overlap)
     placements = tuple(spec.placement for spec in layout.chunks)
     cost = step_cost(tl, times, placement_cost(times, placements, m))
     return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)

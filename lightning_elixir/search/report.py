@@ -104,8 +104,9 @@ class SearchReport:
     lower_bound_s: float
     """Physical lower bound on the step time for this budget: the largest of pure compute, the
     collectives every fitting plan of the search space must run (measured launch latency, bytes at
-    the best measured bandwidths), and the host work the budget forces (gradient copies, uploads,
-    NVMe paging and CPU optimizer updates of the state that cannot stay on the device)."""
+    the best measured bandwidths) with the compute they cannot hide behind (``comm_overlap``), and
+    the host work the budget forces (gradient copies, uploads, NVMe paging and CPU optimizer
+    updates of the state that cannot stay on the device)."""
     lower_bound_reason: str
     """Which of "compute", "network", "host" sets the lower bound."""
     evaluated: int
@@ -142,7 +143,8 @@ class SearchReport:
             f"lower bound {_ms(self.lower_bound_s)} ({self.lower_bound_reason}); "
             f"predicted/lower bound = {self.lower_bound_ratio:.2f}",
             f"step {_ms(c.step_s)}: compute {_ms(c.compute_s)}, all-gather {_ms(c.all_gather_s)}, "
-            f"reduce-scatter {_ms(c.reduce_scatter_s)}, fwd+bwd {_ms(c.forward_backward_s)}, "
+            f"reduce-scatter {_ms(c.reduce_scatter_s)}, fwd+bwd {_ms(c.forward_backward_s)} "
+            f"(contention {_ms(c.contention_s)}), "
             f"optimizer {_ms(c.device_optimizer_s)} device + {_ms(c.host_s)} host",
             f"peak {format_bytes(m.peak_bytes)}: shards {format_bytes(m.param_shard_bytes)}, "
             f"state {format_bytes(m.device_state_bytes)}, cache {format_bytes(m.cache_bytes)}, "

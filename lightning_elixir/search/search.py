@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.search.cost import (ChunkTimes, CostBreakdown, PlacementCost, Timeline, access_compute_s,
-                                          chunk_times, host_floor_s, network_floor_s, placement_cost, reduce_schedule,
-                                          step_cost, timeline)
+                                          chunk_times, host_floor_s, network_floor_s, overlapped_s, placement_cost,
+                                          reduce_schedule, step_cost, timeline)
 from lightning_elixir.search.errors import no_plan_fits, nvme_usable
 from lightning_elixir.search.layout import Layout, access_chunks, build_layout, candidate_chunk_numels
 from lightning_elixir.search.memory import fixed_device_bytes, margin_bytes, memory_breakdown, state_bytes
@@ -112,7 +112,7 @@ def search(
     nvme_ok = nvme_usable(hardware, options)
     compute_s = access_compute_s(model) * options.micro_batches
     spaces = [_space(model, hardware, options, size, nvme_ok) for size in candidate_chunk_numels(model, options)]
-    found = list(_candidates(spaces, model, budget_bytes, options, compute_s))
+    found = list(_candidates(spaces, model, budget_bytes, options, compute_s, hardware.comm_overlap))
     if not found:
         raise no_plan_fits(model, hardware, budget_bytes, options)
     ranked = sorted(found, key=lambda e: e.key)
@@ -148,7 +148,7 @@ def block_grid(fewest: int, public_chunks: int, points: int) -> tuple[int, ...]:
 
 
 def _candidates(spaces: list[_Space], model: ModelProfile, budget_bytes: int, options: SearchOptions,
-                compute_s: tuple[float, ...]) -> Iterator[_Evaluated]:
+                compute_s: tuple[float, ...], comm_overlap: float) -> Iterator[_Evaluated]:
     """Every fitting (chunk size, cache blocks, prefetch depth), each with its best fitting rung."""
     compute_bytes = dtype_bytes(model.compute_dtype)
     for space in spaces:
@@ -161,7 +161,7 @@ def _candidates(spaces: list[_Space], model: ModelProfile, budget_bytes: int, op
             rungs = range(first, len(space.ladder))
             for depth in options.prefetch_depths:
                 sim = simulate(space.layout, space.needs, blocks, depth, options.micro_batches, compute_bytes)
-                tl = timeline(space.layout, needs, sim, compute_s, space.reduced, space.times)
+                tl = timeline(space.layout, needs, sim, compute_s, space.reduced, space.times, comm_overlap)
                 best = min((_evaluate(space, sim, tl, r, fixed, options) for r in rungs), key=lambda e: e.key)
                 yield dataclasses.replace(best, costed=len(rungs))
 
@@ -190,8 +190,11 @@ def _evaluate(space: _Space, sim: SimResult, tl: Timeline, index: int, fixed_byt
         gathers=sim.gathers, gathered_bytes=sim.gathered_bytes, step_s=cost.step_s,
         peak_bytes=subtotal + margin_bytes(subtotal, options),
     )
+    # Ties in predicted time go to the deeper prefetch: the model does not slow a collective that runs
+    # beside compute, so it sees no gain past the first prefetch; measured on CPU/gloo, depth 2 beat
+    # depth 1 by 70-86 ms a step where the model predicted a tie (examples/benchmarks/search_quality.py).
     key = (round(cost.step_s * 1e9), candidate.gathered_bytes, candidate.offloaded, candidate.nvme_chunks,
-           candidate.peak_bytes, candidate.prefetch_depth, candidate.chunk_numel, candidate.cache_blocks)
+           candidate.peak_bytes, -candidate.prefetch_depth, candidate.chunk_numel, candidate.cache_blocks)
     return _Evaluated(candidate, space, rung, cost, key)
 
 
@@ -231,12 +234,15 @@ def _report(ranked: list[_Evaluated], spaces: list[_Space], model: ModelProfile,
 
 def _lower_bound(ranked: list[_Evaluated], model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
                  options: SearchOptions) -> tuple[float, str]:
-    """The largest of compute and the least network traffic and host work any fitting candidate has."""
+    """The largest of compute, the least network traffic any fitting candidate has (with the compute
+    it cannot hide behind) and the least host work."""
     reduce_bytes = state_bytes(model, options).reduce
     network = min(network_floor_s(e.candidate.gathered_bytes, e.space.reduced_numel * reduce_bytes,
                                   e.candidate.gathers + e.space.reduces, hardware) for e in ranked)
     host = min(_least_host_floor_s(e, model, budget_bytes, options) for e in ranked)
-    bounds = {"compute": ranked[0].cost.compute_s, "network": network, "host": host}
+    compute = ranked[0].cost.compute_s
+    # The least traffic hides behind compute only as far as comm_overlap lets it (at 1: their max).
+    bounds = {"compute": compute, "network": overlapped_s(compute, network, hardware.comm_overlap), "host": host}
     reason = max(bounds, key=lambda k: (bounds[k], k == "compute"))
     return bounds[reason], reason
 

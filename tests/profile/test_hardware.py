@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_elixir.profile import hardware
+from lightning_elixir.profile import bench, hardware
 from lightning_elixir.profile.bench import BenchSizes
 from lightning_elixir.profile.hardware import MachineKey, profile_hardware
 from lightning_elixir.profile.types import HardwareProfile, ProfileError
@@ -44,6 +45,7 @@ def test_measurement_is_plausible_and_says_what_it_measured(measured):
     assert measured.nvme_read_bytes_per_s == measured.nvme_write_bytes_per_s == 0.0
     assert any("host memory copy" in note for note in measured.notes)
     assert measured.all_gather_s(1 << 14) > measured.collective_latency_s
+    assert 0.0 <= measured.comm_overlap <= 1.0
 
 
 def test_json_round_trip(measured, tmp_path):
@@ -51,6 +53,41 @@ def test_json_round_trip(measured, tmp_path):
     measured.to_json(path)
     assert HardwareProfile.from_json(path) == measured
     assert HardwareProfile.from_json(measured.to_json()) == measured
+    partial = dataclasses.replace(measured, comm_overlap=0.25)
+    assert json.loads(partial.to_json())["comm_overlap"] == 0.25
+    assert HardwareProfile.from_json(partial.to_json()) == partial
+
+
+@pytest.mark.parametrize("window_s, computed_s, overlap", [
+    (25.0, 25.0, 1.0),  # the compute lost nothing while 10 s of collectives ran: fully hidden
+    (25.0, 15.0, 0.0),  # it lost all 10 s: nothing hidden
+    (25.0, 20.0, 0.5),
+    (25.0, 10.0, 0.0),  # lost more than the collectives took alone (noise): clamped
+    (25.0, 26.0, 1.0),  # computed more than the window (noise): clamped
+])
+def test_hidden_fraction(window_s, computed_s, overlap):
+    assert bench.hidden_fraction(10.0, window_s, computed_s) == pytest.approx(overlap)
+
+
+def test_overlap_benchmark_runs_the_collectives_it_is_given():
+    calls = []
+
+    def all_gather(out, inp):
+        calls.append("all_gather")
+        bench.local_copy(out, inp)
+
+    def reduce_scatter(out, inp):
+        calls.append("reduce_scatter")
+        bench.local_copy(out, inp)
+
+    overlap = bench.comm_overlap(all_gather, reduce_scatter, 1, torch.device("cpu"), torch.float32, TINY)
+    assert 0.0 <= overlap <= 1.0
+    # Per round, the collectives alone and beside the matmuls (half of each kind); a tiny all-gather
+    # starts each of the 3 phases; plus the warm-up and the calibration.
+    phases = 1 + 3 * TINY.overlap_rounds
+    rounds = TINY.overlap_rounds * 2 + 2
+    assert calls.count("reduce_scatter") == rounds * TINY.overlap_collectives // 2
+    assert calls.count("all_gather") == rounds * TINY.overlap_collectives // 2 + phases
 
 
 def test_second_call_reuses_the_cache(measured, tmp_path, no_measuring):
@@ -119,6 +156,41 @@ def test_an_unwritable_cache_warns_and_still_returns(tmp_path, caplog):
 def test_invalid_profiles_are_rejected(measured):
     with pytest.raises(ProfileError):
         HardwareProfile.from_json(json.dumps({**json.loads(measured.to_json()), "all_gather_bytes_per_s": []}))
+    for overlap in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ProfileError, match="comm_overlap"):
+            dataclasses.replace(measured, comm_overlap=overlap)
+
+
+def test_a_cache_from_before_comm_overlap_is_measured_again(measured, tmp_path):
+    # Written by the version before comm_overlap: no such key, and the file name had no format.
+    old = {k: v for k, v in json.loads(measured.to_json()).items() if k != "comm_overlap"}
+    old["matmul_flops_per_s"] = 1.0  # a marker: it must not come back
+    key = MachineKey.current(torch.device("cpu"), 1, torch.float32)
+    old_name = key.file_name().replace(f"hardware-v{hardware.CACHE_FORMAT}-", "hardware-")
+    (tmp_path / old_name).write_text(json.dumps(old))
+    (tmp_path / key.file_name()).unlink()
+    assert HardwareProfile.from_json(json.dumps(old)).comm_overlap == 1.0  # why the file name changed
+    again = profile_hardware("cpu", cache_dir=tmp_path, sizes=TINY)
+    assert again.matmul_flops_per_s > 1.0 and 0.0 <= again.comm_overlap <= 1.0
+    assert HardwareProfile.from_json(tmp_path / key.file_name()) == again
+
+
+def test_ranks_agree_on_the_worst_numbers(hardware_factory):
+    mine = hardware_factory(world_size=2, comm_overlap=0.7, collective_latency_s=1e-4)
+    other = dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10)
+    sent = []
+
+    def record(out, inp):
+        sent.append(inp.clone())
+        out.copy_(torch.cat([inp, inp]))
+
+    hardware._slowest_rank(other, record, 2, torch.device("cpu"))
+
+    def all_gather(out, inp):  # rank 1 sends what `other` sent
+        out.copy_(torch.cat([inp, sent[0]]))
+
+    agreed = hardware._slowest_rank(mine, all_gather, 2, torch.device("cpu"))
+    assert agreed == dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10)
 
 
 def _free_port() -> int:
@@ -169,5 +241,6 @@ def test_two_ranks_run_the_same_collectives_and_agree(tmp_path):
     assert ranks[0][1]["calls"] == ranks[1][1]["calls"]
     assert [name for name, _ in ranks[0][1]["calls"]] == ["all_gather", "all_gather"]
     assert cached == measured
+    assert 0.0 <= measured[0].comm_overlap <= 1.0  # agreed: the same on both ranks (asserted above)
     # One rank without a cache: every rank measures again, with the same collectives.
     assert ranks[0][2]["calls"] == ranks[1][2]["calls"] == ranks[0][0]["calls"]

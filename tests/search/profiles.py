@@ -124,5 +124,5 @@ def hardwares(draw) -> HardwareProfile:
         optimizer_device_numel_per_s=device_opt,
         optimizer_cpu_numel_per_s=device_opt * draw(st.floats(0.01, 1.0)),
         nvme_read_bytes_per_s=draw(st.floats(1e4, 1e7)), nvme_write_bytes_per_s=draw(st.floats(1e4, 1e7)),
-        collective_latency_s=draw(st.floats(0.0, 1e-4)),
+        collective_latency_s=draw(st.floats(0.0, 1e-4)), comm_overlap=draw(st.floats(0.0, 1.0)),
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.search import SearchOptions, build_layout, evaluate_plan, search, step_time_s
-from tests.search.profiles import chain_profile, flat_hardware
+from tests.search.profiles import chain_profile, chain_profiles, flat_hardware, hardwares
 
 # Two modules with one 100-element parameter each, one chunk each, world size 2 (shards of 50), bf16.
 # Forward takes 1 s per module, backward 2 s. Accesses: fwd m0, fwd m1, bwd m1, bwd m0.
@@ -96,9 +98,9 @@ def test_the_overlap_rule_for_the_optimizer():
 
 
 def test_search_finds_the_hand_optimum():
-    # With room for everything: both blocks, prefetch 1 -> 12 s (prefetch 2 ties; the smaller wins).
+    # With room for everything: both blocks, prefetch 1 -> 12 s (prefetch 2 ties; the deeper wins).
     best, report = search(MODEL, HARDWARE, 10_000, OPTIONS)
-    assert (best.cache_blocks, best.prefetch_depth, best.offloads) == ("all", 1, False)
+    assert (best.cache_blocks, best.prefetch_depth, best.offloads) == ("all", 2, False)
     assert report.winner.step_s == pytest.approx(12.0)
     # Lower bound: compute is 6 s; the network must at least gather both chunks once (2 * 200 B at
     # 100 B/s = 4 s) and reduce both gradients (2 * 400 B at 200 B/s = 4 s): 8 s. 12 / 8 = 1.5.
@@ -115,3 +117,78 @@ def test_search_finds_the_hand_optimum():
     best, report = search(MODEL, slow_cpu, 4000, OPTIONS)
     assert report.winner.step_s == pytest.approx(17.0)
     assert best.cache_blocks == "min" and not best.offloads
+
+
+# [Note: overlap], contention: a collective the schedule hides behind compute still costs the
+# compute (1 - comm_overlap) of its time. The schedules are the ones worked out above.
+
+
+@pytest.mark.parametrize("overlap, forward_backward_s", [(1.0, 11.0), (0.5, 12.5), (0.0, 14.0)])
+def test_contention_with_prefetch(overlap, forward_backward_s):
+    # The schedule of test_prefetch_hides_the_second_gather ends at 11. Hidden behind compute: the
+    # prefetch of chunk 1 while m0 computes (2 -> 3, 1 s) and the reduce of chunk 1 while m0's
+    # backward computes (7 -> 9, 2 s): 3 s, i.e. compute 6 + collectives 8 - 11.
+    # Overlap 0.5: 11 + 0.5 * 3 = 12.5. Overlap 0: 11 + 3 = 14 = compute + collectives.
+    cost = evaluate_plan(plan("all", 1), MODEL, dataclasses.replace(HARDWARE, comm_overlap=overlap), OPTIONS).cost
+    assert cost.contention_s == pytest.approx(forward_backward_s - 11.0)
+    assert cost.forward_backward_s == pytest.approx(forward_backward_s)
+    assert cost.step_s == pytest.approx(forward_backward_s + 1.0)
+
+
+@pytest.mark.parametrize("overlap, step_s", [(1.0, 13.0), (0.5, 14.0), (0.0, 15.0)])
+def test_contention_without_prefetch(overlap, step_s):
+    # The schedule of test_every_chunk_gathered_without_prefetch ends at 12; only the reduce of
+    # chunk 1 (8 -> 10) runs beside compute (m0's backward): 2 s hidden. Overlap 0.5: 12 + 1 + 1 = 14.
+    hardware = dataclasses.replace(HARDWARE, comm_overlap=overlap)
+    assert evaluate_plan(plan("all", 0), MODEL, hardware, OPTIONS).cost.step_s == pytest.approx(step_s)
+
+
+def test_a_schedule_that_hides_nothing_loses_nothing_to_contention():
+    # test_one_block_regathers_in_backward: compute 6 + gathers 6 + reduces 4 = 16 = the schedule's
+    # end (the reduce of chunk 1, 8 -> 10, runs while m0 waits for its gather). Step 17 at any overlap.
+    cost = evaluate_plan(plan(1, 0), MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.0), OPTIONS).cost
+    assert cost.contention_s == 0.0
+    assert cost.step_s == pytest.approx(17.0)
+
+
+def test_contention_delays_the_optimizer_but_not_the_gradient_copies():
+    # test_offloading_one_chunk_to_the_cpu at overlap 0.5: forward/backward 12.5 (as with prefetch),
+    # device optimizer done at 13. The copy of chunk 1's gradient keeps the schedule's clock (done at
+    # 11). Host pipeline 2 s: step max(13, 11) + 2 = 15 s.
+    hardware = dataclasses.replace(HARDWARE, comm_overlap=0.5)
+    cost = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, hardware, OPTIONS).cost
+    assert cost.copy_done_s == pytest.approx(11.0)
+    assert cost.step_s == pytest.approx(15.0)
+
+
+def test_without_overlap_prefetch_saves_nothing_and_the_bound_adds_up():
+    # Overlap 0: every plan costs compute + collectives + optimizer. Both blocks with or without
+    # prefetch: 6 + 8 + 1 = 15 s (a tie: the deeper prefetch wins); one block: 17 s.
+    # Lower bound: the least traffic (8 s) cannot hide behind compute (6 s): 14 s.
+    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.0), 10_000, OPTIONS)
+    assert (best.cache_blocks, best.prefetch_depth) == ("all", 2)
+    assert report.winner.step_s == pytest.approx(15.0)
+    no_prefetch = evaluate_plan(dataclasses.replace(best, prefetch_depth=0), MODEL,
+                                dataclasses.replace(HARDWARE, comm_overlap=0.0), OPTIONS)
+    assert no_prefetch.cost.step_s == pytest.approx(15.0)
+    assert (report.lower_bound_reason, report.lower_bound_s) == ("network", pytest.approx(14.0))
+    # Overlap 0.5: prefetch saves again (13.5 s against 14 s); the bound is 8 + 0.5 * 6 = 11 s.
+    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.5), 10_000, OPTIONS)
+    assert (best.cache_blocks, best.prefetch_depth, report.winner.step_s) == ("all", 2, pytest.approx(13.5))
+    assert report.lower_bound_s == pytest.approx(11.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chain_profiles(), hardwares(), st.integers(1, 4), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_less_overlap_is_never_predicted_faster(model, hw, world_size, a, b):
+    options = SearchOptions(world_size=world_size, min_chunk_numel=1, shard_align_numel=1, chunk_size_steps=2)
+    less, more = (dataclasses.replace(hw, comm_overlap=x) for x in sorted((a, b)))
+    plan_, report = search(model, more, 1 << 60, options)
+    slow, fast = (evaluate_plan(plan_, model, h, options).cost for h in (less, more))
+    assert slow.step_s >= fast.step_s - 1e-12
+    assert search(model, less, 1 << 60, options)[1].winner.step_s >= report.winner.step_s - 1e-12
+    # Between the bounds: overlap 1 hides everything the schedule can, overlap 0 nothing.
+    collectives_s = slow.all_gather_s + slow.reduce_scatter_s
+    assert slow.forward_backward_s <= slow.compute_s + collectives_s + 1e-12
+    nothing_hides = evaluate_plan(plan_, model, dataclasses.replace(hw, comm_overlap=0.0), options).cost
+    assert nothing_hides.forward_backward_s == pytest.approx(nothing_hides.compute_s + collectives_s)
