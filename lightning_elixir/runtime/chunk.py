@@ -68,6 +68,7 @@ class Chunk:
         self.master = self.shard if same else torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
         self.grad_shard = torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
         self.grad_requiring = {id(s.param) for s in slots if s.param.requires_grad}
+        self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in slots if s.param.requires_grad])
         self.reset_grad_tracking()
 
     # ---- state ------------------------------------------------------------------------------
@@ -136,18 +137,27 @@ class Chunk:
         return not self.pending_grads
 
     def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        """Copy one parameter's gradient into the chunk's full gradient buffer."""
+        """Write one parameter's gradient, pre-divided by the world size, into the full buffer."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.full.device)
-        self.grad_full[slot.offset:slot.end].copy_(grad.reshape(-1))
+            self.grad_full = self._new_grad_buffer()
+        # One pass that both copies and averages (DDP divides its buckets before the all-reduce too).
+        torch.div(grad.reshape(-1), self.group.world_size, out=self.grad_full[slot.offset:slot.end])
         self.pending_grads.discard(id(slot.param))
 
+    def _new_grad_buffer(self) -> torch.Tensor:
+        """An uninitialised buffer whose gaps (padding, frozen parameters) are zero."""
+        buf = torch.empty(self.numel, dtype=self.reduce_dtype, device=self.full.device)
+        for begin, end in self._grad_holes:
+            buf[begin:end].zero_()
+        return buf
+
     def start_reduce(self) -> None:
-        """Average the full gradient over ranks into this rank's shard (async)."""
+        """Sum the (pre-averaged) full gradient over ranks into this rank's shard (async)."""
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
-            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.full.device)
-        if self.group.world_size > 1:
-            self.grad_full.div_(self.group.world_size)
+            self.grad_full = self._new_grad_buffer()
+        for slot in self.slots:  # trainable parameters unused this time: a zero gradient
+            if id(slot.param) in self.pending_grads:
+                self.grad_full[slot.offset:slot.end].zero_()
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
         work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True)
         self._reduce = (work, out)
@@ -180,3 +190,15 @@ class Chunk:
         """Copy the updated master shard into the compute-dtype shard that gets gathered."""
         if self.master is not self.shard:
             self.shard.copy_(self.master)
+
+
+def _holes(numel: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The [begin, end) ranges of [0, numel) that no range in ``covered`` touches."""
+    holes, cursor = [], 0
+    for begin, end in sorted(covered):
+        if begin > cursor:
+            holes.append((cursor, begin))
+        cursor = max(cursor, end)
+    if cursor < numel:
+        holes.append((cursor, numel))
+    return holes
