@@ -49,15 +49,13 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def _state_bytes(trainer, model) -> int:
+    optim = sum(t.numel() * t.element_size() for opt in trainer.optimizers
+                for s in opt.state.values() for t in s.values() if hasattr(t, "numel") and t.dim())
     runtime = getattr(trainer.strategy, "runtime", None)
     if runtime is not None:
         stats = runtime.memory_stats()
-        optim = sum(t.numel() * t.element_size() for opt in trainer.optimizers
-                    for s in opt.state.values() for t in s.values() if hasattr(t, "numel") and t.dim())
         return stats["shard_bytes"] + stats["cache_bytes"] + stats["private_bytes"] + optim
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    optim = sum(t.numel() * t.element_size() for opt in trainer.optimizers
-                for s in opt.state.values() for t in s.values() if hasattr(t, "numel") and t.dim())
     return 2 * params + optim  # parameters, gradients (DDP's buckets alias them), optimizer state
 
 

@@ -47,11 +47,12 @@ def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = 
         raise KeyError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     source = {id(v): state_dict[k] for k, v in own.items() if k in state_dict}
     runtime.release_all()
+    chunked = runtime.param_ids()
     with torch.no_grad():
         for chunk in runtime.chunks:
             _load_chunk(chunk, source)
         for key, value in own.items():
-            if key in state_dict and id(value) not in runtime.param_ids():
+            if key in state_dict and id(value) not in chunked:
                 value.copy_(state_dict[key])
 
 
