@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Union
@@ -27,6 +29,46 @@ class PlanError(ValueError):
     """A plan is malformed or does not match the model it is applied to."""
 
 
+def _got(value: Any) -> str:
+    """``value`` as an error message shows it: its type and its repr (shortened)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (True/False are ints to Python, never to a plan)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(owner: Any, field: str, what: str, minimum: int, optional: bool = False) -> None:
+    """Check that ``owner.field`` is an int >= ``minimum`` (or None when ``optional``); store it as an int."""
+    value = getattr(owner, field)
+    if optional and value is None:
+        return
+    expected = f"an int >= {minimum}" + (" or None" if optional else "")
+    if not _is_int(value):
+        raise PlanError(f"{what} field {field!r} must be {expected}, got {_got(value)}")
+    if value < minimum:
+        raise PlanError(f"{what} field {field!r} must be {expected}, got {value}")
+    object.__setattr__(owner, field, int(value))
+
+
+def _check_type(owner: Any, field: str, what: str, kind: type, expected: str) -> None:
+    value = getattr(owner, field)
+    if not isinstance(value, kind):
+        raise PlanError(f"{what} field {field!r} must be {expected}, got {_got(value)}")
+
+
+def _as_tuple(owner: Any, field: str, what: str, expected: str) -> tuple:
+    """``owner.field`` as a tuple (JSON gives lists); a string or a mapping is not a sequence here."""
+    value = getattr(owner, field)
+    if isinstance(value, (str, bytes, Mapping, AbstractSet)) or not isinstance(value, Iterable):
+        raise PlanError(f"{what} field {field!r} must be {expected}, got {_got(value)}")
+    value = tuple(value)
+    object.__setattr__(owner, field, value)
+    return value
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """One chunk of the layout: parameters packed, in order, into one flat buffer."""
@@ -41,11 +83,16 @@ class ChunkSpec:
     """Where this chunk's sharded state (fp32 master, optimizer states, gradient) lives."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "params", tuple(self.params))
-        if not self.params:
+        params = _as_tuple(self, "params", "chunk", "a list of parameter names (strings)")
+        bad = [p for p in params if not isinstance(p, str)]
+        if bad:
+            raise PlanError(f"chunk field 'params' must be a list of parameter names (strings), got {_got(bad[0])} "
+                            f"in {_got(list(params))}")
+        if not params:
             raise PlanError("a chunk must hold at least one parameter")
-        if self.numel <= 0:
-            raise PlanError(f"chunk numel must be positive, got {self.numel}")
+        _check_int(self, "numel", "chunk", 1)
+        _check_type(self, "private", "chunk", bool, "a bool (true/false)")
+        _check_type(self, "placement", "chunk", str, f"one of {PLACEMENTS}")
         if self.placement not in PLACEMENTS:
             raise PlanError(f"unknown placement {self.placement!r}; use one of {PLACEMENTS}")
 
@@ -73,17 +120,20 @@ class ElixirPlan:
     """A label for logs and reports."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", tuple(self.chunks))
-        if self.chunk_numel is not None and self.chunk_numel <= 0:
-            raise PlanError(f"chunk_numel must be positive, got {self.chunk_numel}")
-        if isinstance(self.cache_blocks, bool) or not isinstance(self.cache_blocks, (int, str)):
-            raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r} or {CACHE_MIN!r}")
-        if isinstance(self.cache_blocks, str) and self.cache_blocks not in (CACHE_ALL, CACHE_MIN):
-            raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r} or {CACHE_MIN!r}, got {self.cache_blocks!r}")
-        if isinstance(self.cache_blocks, int) and self.cache_blocks < 1:
-            raise PlanError(f"cache_blocks must be at least 1, got {self.cache_blocks}")
-        if self.prefetch_depth < 0:
-            raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        _check_int(self, "chunk_numel", "plan", 1, optional=True)
+        blocks = f"an int >= 1, {CACHE_ALL!r} or {CACHE_MIN!r}"
+        if _is_int(self.cache_blocks):
+            _check_int(self, "cache_blocks", "plan", 1)
+        elif not isinstance(self.cache_blocks, str) or self.cache_blocks not in (CACHE_ALL, CACHE_MIN):
+            raise PlanError(f"plan field 'cache_blocks' must be {blocks}, got {_got(self.cache_blocks)}")
+        _check_int(self, "prefetch_depth", "plan", 0)
+        chunks = _as_tuple(self, "chunks", "plan", "a list of chunks")
+        for i, spec in enumerate(chunks):
+            if not isinstance(spec, ChunkSpec):
+                raise PlanError(f"plan field 'chunks' must hold ChunkSpecs (JSON: objects), got {_got(spec)} at index {i}")
+        _check_int(self, "world_size", "plan", 1, optional=True)
+        _check_type(self, "reduce_in_fp32", "plan", bool, "a bool (true/false)")
+        _check_type(self, "name", "plan", str, "a string")
         if self.chunks and self.world_size is None:
             raise PlanError("a plan with an explicit chunk layout must state the world_size it was built for")
         if self.world_size is not None:
@@ -114,12 +164,28 @@ class ElixirPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
         """Build from a dict, rejecting unknown keys with a message that lists the known ones."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a dict (a JSON object), got {_got(data)}")
         _reject_unknown(cls, data, "plan")
         data = dict(data)
+        raw_chunks = data.pop("chunks", ())
+        if isinstance(raw_chunks, (str, bytes, Mapping)) or not isinstance(raw_chunks, (list, tuple)):
+            raise PlanError(f"plan field 'chunks' must be a list of chunk objects, got {_got(raw_chunks)}")
         chunks = []
-        for raw in data.pop("chunks", ()):
+        for i, raw in enumerate(raw_chunks):
+            if isinstance(raw, ChunkSpec):
+                chunks.append(raw)
+                continue
+            if not isinstance(raw, Mapping):
+                raise PlanError(f"chunk {i} of the plan must be an object with keys {_field_names(ChunkSpec)}, "
+                                f"got {_got(raw)}")
             _reject_unknown(ChunkSpec, raw, "chunk")
-            chunks.append(ChunkSpec(**raw))
+            try:
+                chunks.append(ChunkSpec(**raw))
+            except PlanError as err:
+                raise PlanError(f"chunk {i} of the plan: {err}") from None
+            except TypeError as err:  # a required key is missing
+                raise PlanError(f"chunk {i} of the plan: {err}; a chunk needs at least 'params' and 'numel'") from None
         return cls(**data, chunks=tuple(chunks))
 
     @classmethod
@@ -131,11 +197,11 @@ class ElixirPlan:
 def load_json_object(text_or_path: str | os.PathLike, what: str, error: type[Exception]) -> dict[str, Any]:
     """A JSON object from a string or a file, or ``error`` saying what is wrong with it."""
     text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
-        if not os.path.isfile(text):
-            raise error(f"{what} file {text!r} does not exist")
+    if os.path.isfile(text):
         with open(text) as f:
             text = f.read()
+    elif not text.lstrip().startswith(("{", "[")):  # not JSON text either
+        raise error(f"{what} file {text!r} does not exist")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -145,11 +211,40 @@ def load_json_object(text_or_path: str | os.PathLike, what: str, error: type[Exc
     return data
 
 
-def _reject_unknown(cls: type, data: dict[str, Any], what: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+def _field_names(cls: type) -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(cls))
+
+
+def _reject_unknown(cls: type, data: Mapping[str, Any], what: str) -> None:
+    known = set(_field_names(cls))
+    unknown = sorted(set(data) - known, key=str)
     if unknown:
         raise PlanError(f"unknown {what} key(s) {unknown}; known keys are {sorted(known)}")
+
+
+def check_private_params(names: Any, plan: "ElixirPlan | str") -> tuple[str, ...]:
+    """``private_params`` as a tuple of names, checked against ``plan``'s explicit layout if it has one.
+
+    Raises:
+        TypeError: ``names`` is a string (it would be split into characters) or holds non-strings.
+        PlanError: a name sits in a public chunk of the plan's layout.
+    """
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"private_params must be a list of parameter names, got the string {names!r}; "
+                        f"write private_params=[{names!r}]")
+    if isinstance(names, Mapping) or not isinstance(names, Iterable):
+        raise TypeError(f"private_params must be a list of parameter names, got {_got(names)}")
+    names = tuple(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"private_params must be a list of parameter names (strings), got {_got(bad[0])} "
+                        f"in {_got(list(names))}")
+    if isinstance(plan, ElixirPlan) and plan.chunks:
+        public = sorted({n for spec in plan.chunks if not spec.private for n in spec.params} & set(names))
+        if public:
+            raise PlanError(f"private_params {public} sit in public chunks of the plan's layout; give each its own "
+                            "private chunk in the plan (private=true), or leave them out of private_params")
+    return names
 
 
 def round_up(value: int, multiple: int) -> int:

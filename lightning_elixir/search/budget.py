@@ -43,6 +43,24 @@ def parse_memory_limit(limit: Union[int, float, str], device_total_bytes: int) -
     return nbytes
 
 
+def check_memory_limit(limit: Union[int, float, str]) -> None:
+    """Check the form of a ``device_memory_limit`` without knowing the device (at construction).
+
+    Accepts what ``parse_memory_limit`` accepts for some device: positive bytes, a fraction in
+    (0, 1], a string with a unit or a percentage. Whether it fits the device is checked once the
+    device is known.
+
+    Raises:
+        ValueError: the limit is not understood or not positive.
+    """
+    if _to_bytes(limit, _ANY_DEVICE_BYTES) <= 0:
+        raise ValueError(f"device_memory_limit must be positive, got {limit!r}")
+
+
+_ANY_DEVICE_BYTES = 1 << 60
+"""A device size for checking a limit's form: fractions of it are positive unless vanishingly small."""
+
+
 def _to_bytes(limit: Union[int, float, str], device_total_bytes: int) -> int:
     """Bytes from an int, a fraction or a string, before range checks."""
     if isinstance(limit, bool):
