@@ -8,23 +8,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer import call
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_elixir.runtime.optim import DynamicLossScaler, clip_grad_norm_, clip_grad_value_
-
-_DTYPES = {
-    # flag: (compute dtype of the gathered parameters, dtype of masters and optimizer state, autocast dtype)
-    "32-true": (torch.float32, torch.float32, None),
-    "32": (torch.float32, torch.float32, None),
-    "bf16-mixed": (torch.bfloat16, torch.float32, torch.bfloat16),
-    "16-mixed": (torch.float16, torch.float32, torch.float16),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, None),
-    "16-true": (torch.float16, torch.float16, None),
-}
-
+from lightning_elixir.runtime.policy import PRECISION_FLAGS, PrecisionPolicy
 
 class ElixirPrecision(Precision):
     """Mixed and true precision for Elixir: low-precision chunks, fp32 masters, global overflow checks.
@@ -35,11 +26,12 @@ class ElixirPrecision(Precision):
     """
 
     def __init__(self, precision: str = "32-true", device_type: str = "cpu") -> None:
-        if str(precision) not in _DTYPES:
-            raise ValueError(f"precision={precision!r} is not supported by Elixir; use one of {sorted(_DTYPES)}")
+        self.policy = PrecisionPolicy.from_flag(str(precision))
         self.precision = str(precision)
         self.device_type = device_type
-        self.compute_dtype, self.master_dtype, self.autocast_dtype = _DTYPES[self.precision]
+        self.compute_dtype = self.policy.compute_dtype
+        self.master_dtype = self.policy.master_dtype
+        self.autocast_dtype = self.policy.autocast_dtype
         self.scaler = DynamicLossScaler() if self.precision == "16-mixed" else None
         self.runtime: Any = None  # set by the strategy once the model is chunked
 
@@ -85,6 +77,11 @@ class ElixirPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     @override
+    def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        with self.runtime.gathered():  # on_after_backward hooks may read parameters and gradients
+            return super().post_backward(tensor, module)
+
+    @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         closure_result = closure()
         if closure_result is None and getattr(model, "automatic_optimization", True):
@@ -94,9 +91,21 @@ class ElixirPrecision(Precision):
         if overflow:  # every rank agreed: skip this step everywhere
             self.runtime.after_step(stepped=False)
             return closure_result
+        self.runtime.before_step()
         output = optimizer.step(**kwargs)
         self.runtime.after_step(stepped=True)
         return output
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        trainer = model.trainer
+        # Hooks such as grad_norm(self) or a hand-written clip_grad_norm_ read (and may scale) full
+        # gradients: they are gathered on read and written back to the shards before clipping.
+        with self.runtime.gathered():
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
+                             gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -121,7 +130,7 @@ def from_lightning_plugin(plugin: Optional[Precision]) -> ElixirPrecision:
     if plugin is None or isinstance(plugin, ElixirPrecision):
         return plugin or ElixirPrecision()
     flag = str(getattr(plugin, "precision", "32-true"))
-    if flag not in _DTYPES:
+    if flag not in PRECISION_FLAGS:
         raise ValueError(f"Trainer(precision={flag!r}) is not supported by the Elixir strategy; "
-                         f"use one of {sorted(_DTYPES)}")
+                         f"use one of {sorted(PRECISION_FLAGS)}")
     return ElixirPrecision(flag)

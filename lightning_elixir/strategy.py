@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_elixir.launcher import ElixirSpawnLauncher
-from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError
+from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
 from lightning_elixir.planner import PlanningResult, first_batch, plan_automatically
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
@@ -41,6 +42,7 @@ from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.search.budget import check_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,10 @@ PlanInput = Union[str, ElixirPlan, Mapping[str, Any], os.PathLike]
 
 
 def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
-    """"auto", an ElixirPlan, a dict, a preset name ("zero2"/"zero3") or a path to a plan JSON file."""
+    """"auto", an ElixirPlan, a dict, a preset name ("zero2"/"zero3"), a plan JSON file's path or JSON text.
+
+    A bare word that is none of these is reported as a mistyped name (with the valid ones), not as a
+    missing file."""
     if isinstance(plan, ElixirPlan):
         return plan
     if isinstance(plan, Mapping):
@@ -57,9 +62,22 @@ def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
         return "auto"
     if isinstance(plan, str) and plan in PRESETS:
         return PRESETS[plan]
+    valid = ("auto", *PRESETS)
+    names = ", ".join(repr(n) for n in valid)
     if isinstance(plan, (str, os.PathLike)):
-        return ElixirPlan.from_json(plan)
-    raise PlanError(f"plan must be 'auto', 'zero2', 'zero3', an ElixirPlan, a dict or a JSON path, got {type(plan).__name__}")
+        text = str(plan)
+        if os.path.isfile(text) or text.lstrip().startswith(("{", "[")):
+            return ElixirPlan.from_json(plan)  # a plan file or JSON text: its own errors say what is wrong
+        if isinstance(plan, str) and not text.endswith(".json") and "/" not in text and os.sep not in text:
+            # a bare word: a mistyped name, not a missing file
+            word = text.strip().lower()
+            close = difflib.get_close_matches(word[7:] if word.startswith("elixir_") else word, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanError(f"plan={plan!r} is not a plan name (valid: {names}) nor an existing plan JSON file{hint}")
+        raise PlanError(f"plan file {text!r} does not exist; plan= takes a plan name ({names}), an ElixirPlan, "
+                        "a dict, JSON text or the path of a plan JSON file")
+    raise PlanError(f"plan must be {names}, an ElixirPlan, a dict, JSON text or a JSON file path, "
+                    f"got {type(plan).__name__} {plan!r}")
 
 
 class ElixirStrategy(ParallelStrategy):
@@ -77,6 +95,16 @@ class ElixirStrategy(ParallelStrategy):
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
+        broadcast_buffers: as DDP's option of that name (on by default): every rank gets rank 0's
+            buffers (BatchNorm running statistics) before a forward that follows a training one.
+        unshard_on_teardown: at the end of fit/validate/test/predict, give the module plain
+            parameters with the trained values on every rank (gathered one chunk at a time) and
+            remove the hooks, so the module behaves as after DDP. Set False for a model too large
+            for one rank: the module then keeps its shards and reads outside the strategy raise.
+
+    Reading parameters outside the training step (callbacks, code after a step) goes through
+    ``gathered_params()``; inside the step, in ``on_after_backward`` and in
+    ``on_before_optimizer_step`` every read is served as is.
     """
 
     strategy_name = "elixir"
@@ -87,20 +115,50 @@ class ElixirStrategy(ParallelStrategy):
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen") -> None:
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
+                 broadcast_buffers: bool = True, unshard_on_teardown: bool = True) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if start_method not in ("popen", "spawn"):
+        # Every input that can be checked without the model, the devices or the process group is
+        # checked here, so that a mistake fails at construction rather than after launch and profiling.
+        if not isinstance(start_method, str) or start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method={start_method!r}: use 'popen' or 'spawn'")
         self.plan = resolve_plan(plan)
-        self.private_params = tuple(private_params)
+        self.private_params = check_private_params(private_params, self.plan)
+        # What the planning inputs would be ignored by: None for plan="auto".
+        fixed = None if isinstance(self.plan, str) else f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
+        if device_memory_limit is not None:
+            check_memory_limit(device_memory_limit)
+            if fixed:
+                raise ValueError(f"device_memory_limit={device_memory_limit!r} is used by plan='auto' to choose a "
+                                 f"plan and has no effect on {fixed}: remove it, or use plan='auto'")
         self.device_memory_limit = device_memory_limit
+        if hardware_profile is not None:
+            if fixed:
+                raise ValueError(f"hardware_profile is used by plan='auto' to choose a plan and has no effect on "
+                                 f"{fixed}: remove it, or use plan='auto'")
+            if isinstance(hardware_profile, (str, os.PathLike)):
+                hardware_profile = HardwareProfile.from_json(hardware_profile)  # a bad file fails now, not after launch
+            elif not isinstance(hardware_profile, HardwareProfile):
+                raise TypeError(f"hardware_profile must be a HardwareProfile or the path of its JSON file, "
+                                f"got {type(hardware_profile).__name__}")
         self.hardware_profile = hardware_profile
+        if process_group_backend is not None and (not isinstance(process_group_backend, str)
+                                                  or not process_group_backend.strip()):
+            raise ValueError(f"process_group_backend={process_group_backend!r}: use a torch.distributed backend "
+                             "name such as 'nccl' or 'gloo', or None for the device's default")
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+            raise ValueError(f"timeout={timeout!r}: use a positive datetime.timedelta, e.g. timedelta(minutes=30)")
         self.planning: Optional[PlanningResult] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        self.broadcast_buffers = broadcast_buffers
+        self.unshard_on_teardown = unshard_on_teardown
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
 
@@ -198,10 +256,9 @@ class ElixirStrategy(ParallelStrategy):
         plan = self._plan_for(trainer)
         rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
                        f"prefetch_depth={plan.prefetch_depth}")
-        precision = self.precision_plugin
-        return ElixirRuntime(self.model, plan, device=self.root_device, compute_dtype=precision.compute_dtype,
-                             master_dtype=precision.master_dtype, group=Group.default(),
-                             private_params=self.private_params, grow_cache=self.planning is not None)
+        return ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
+                             group=Group.default(), private_params=self.private_params,
+                             grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers)
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
@@ -225,29 +282,59 @@ class ElixirStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         pass  # the runtime places chunks and buffers on the root device
 
-    def _begin(self) -> None:
-        if self.runtime is not None:
-            self.runtime.begin_iteration()
+    @contextmanager
+    def _step(self, evaluating: bool) -> Generator[None, None, None]:
+        """One step of the loop: every rank runs it, so reads outside the hooks gather on demand."""
+        runtime = self.runtime
+        assert runtime is not None
+        with runtime.step_region():
+            runtime.begin_iteration()
+            yield
+        if evaluating:
+            runtime.end_iteration()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin()
-        return super().training_step(*args, **kwargs)
+        with self._step(evaluating=False):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin()
-        return super().validation_step(*args, **kwargs)
+        with self._step(evaluating=True):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin()
-        return super().test_step(*args, **kwargs)
+        with self._step(evaluating=True):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin()
-        return super().predict_step(*args, **kwargs)
+        with self._step(evaluating=True):
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def gathered_params(self, params: Optional[Iterable[torch.nn.Parameter]] = None,
+                        grads: bool = False) -> Generator[None, None, None]:
+        """Read (and write) full parameters and gradients outside the training step.
+
+        Enter it on every rank. Inside, reading a parameter gathers its chunk on demand (so every
+        rank must read the same ones), except for ``params``, whose chunks (and gradients, with
+        ``grads=True``) are gathered on entry and may then be read on some ranks only. In-place
+        changes to parameters or gradients are kept when the block ends. Gathered values live
+        until then: copy what must outlive it. Example (an EMA callback)::
+
+            with trainer.strategy.gathered_params():
+                for ema, p in zip(self.ema.parameters(), pl_module.parameters()):
+                    ema.lerp_(p.detach(), 1 - self.decay)
+
+        Without a runtime (before setup, or after teardown gave the module back) it does nothing.
+        """
+        if self.runtime is None:
+            yield
+            return
+        with self.runtime.gathered(params, grads):
+            yield
 
     # ---- collectives ------------------------------------------------------------------------------
 
@@ -274,7 +361,8 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.runtime is not None
+        if self.runtime is None:  # the module has its plain parameters back
+            return super().lightning_module_state_dict()
         return sd.full_state_dict(self.runtime, keep=self.is_global_zero)
 
     @override
@@ -286,6 +374,8 @@ class ElixirStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if not optimizer.param_groups:  # Lightning's stand-in when configure_optimizers returns None
+            return optimizer.state_dict()
         assert self.runtime is not None
         return sd.full_optimizer_state_dict(self.runtime, optimizer, keep=self.is_global_zero)
 
@@ -297,7 +387,8 @@ class ElixirStrategy(ParallelStrategy):
             raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(self.optimizers)} optimizers "
                              "are configured")
         for optimizer, state in zip(self.optimizers, states):
-            sd.load_full_optimizer_state_dict(self.runtime, optimizer, state)
+            if optimizer.param_groups:  # Lightning's stand-in for "no optimizer" has nothing to load
+                sd.load_full_optimizer_state_dict(self.runtime, optimizer, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -312,8 +403,15 @@ class ElixirStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        if self.runtime is not None and self.unshard_on_teardown:
+            self.runtime.restore_module()
+            self.runtime = self.precision_plugin.runtime = None
+        if self.runtime is None:
+            super().teardown()  # moves the (plain) module to the CPU, as for DDP; checkpoint_io too
+            return
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

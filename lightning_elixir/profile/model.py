@@ -5,27 +5,40 @@
 The step (forward, loss, backward) runs once under ``FakeTensorMode`` with the parameters, buffers
 and batch swapped for fake tensors, so a model of any size profiles in little host memory. What it
 records is described in ``tracer.py`` ([Note: access granularity]) and ``memory.py``
-([Note: what counts as activation memory]).
+([Note: what counts as activation memory]). The step is the user's code: host reads of values get
+assumed answers ([Note: assumed values] in fake.py), manual optimization runs against stand-ins,
+and the module's state and the global random generators are put back afterwards, so profiling
+changes nothing the run sees. ``backward=False`` profiles a forward-only step (validation, test,
+prediction) under ``torch.no_grad`` in eval mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from lightning_elixir.profile.fake import (
+    AssumedValues,
+    StepFn,
     StepModule,
+    StepStandIns,
     default_device,
     default_step,
     fake_batch,
     fake_parameters,
     fake_state,
+    host_conversions,
+    loss_of,
+    preserved_rng,
+    preserved_state,
     quiet_logging,
     training_mode,
 )
@@ -35,7 +48,6 @@ from lightning_elixir.profile.types import Access, HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
 
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,17 +59,20 @@ def profile_model(
     hardware: HardwareProfile | None = None,
     device: torch.device | str | None = None,
     param_dtype: torch.dtype | None = None,
+    backward: bool = True,
 ) -> ModelProfile:
-    """Run one training step of ``module`` on fake tensors and record what it does.
+    """Run one step of ``module`` on fake tensors and record what it does.
 
     Args:
         module: A LightningModule or plain ``nn.Module``, with real or ``meta`` parameters. It is not
-            modified: fake tensors are swapped in for the call and the originals put back.
+            modified: fake tensors are swapped in for the call and the originals put back, and every
+            attribute the step changes (metric states, lists it appends to) is restored.
         batch: One batch, as the dataloader yields it (real or ``meta`` tensors; only shapes and
             dtypes are used).
-        step_fn: ``step_fn(module, batch) -> loss``. Default: a LightningModule's
-            ``training_step(batch, 0)`` (its ``self.log`` calls become no-ops), or the sum of a plain
-            module's output.
+        step_fn: ``step_fn(module, batch) -> loss`` (or any output when ``backward`` is False).
+            Default: a LightningModule's ``training_step(batch, 0)`` (``self.log`` is a no-op; with
+            manual optimization its ``self.manual_backward`` calls are the traced backward and its
+            optimizers are stand-ins that do not step), or the sum of a plain module's output.
         compute_dtype: ``torch.float32``, or ``torch.bfloat16``/``torch.float16`` to run the forward
             under autocast in that dtype, as the ``*-mixed`` precisions do.
         hardware: Measured speeds that turn FLOPs and bytes into seconds. Without one every
@@ -66,13 +81,16 @@ def profile_model(
             when they are on ``meta``).
         param_dtype: Run with floating-point parameters in this dtype (e.g. the low-precision copy
             that the runtime's chunks hold). Default: as stored in the module.
+        backward: False profiles a forward-only step (validation, test, prediction): in eval mode
+            under ``torch.no_grad``, whatever it returns. The profile then has no backward accesses.
 
     Returns:
         The ModelProfile of one step.
 
     Raises:
-        ProfileError: If the step cannot be traced (no loss, manual optimization without
-            ``step_fn``, or an operator that needs real data).
+        ProfileError: If the step cannot be traced (no loss and no ``manual_backward``, or an
+            operator whose result depends on values the trace cannot assume, see [Note: assumed
+            values] in fake.py). Other exceptions the step raises on fake tensors propagate.
     """
     device = torch.device(device) if device is not None else default_device(module)
     _check_arguments(compute_dtype, device, hardware)
@@ -80,7 +98,7 @@ def profile_model(
     table = ParamTable.from_module(module)
     tracer = StepTracer(table, hardware)
     start_s = time.perf_counter()
-    _trace(module, batch, step_fn, tracer, compute_dtype, device, param_dtype)
+    _trace(module, batch, step_fn, tracer, _Settings(compute_dtype, device, param_dtype, backward))
     profile = _assemble(table, tracer, tracer.finish(), compute_dtype)
     log.debug("profiled %d parameters, %d accesses in %.2f s", len(profile.params), len(profile.accesses),
               time.perf_counter() - start_s)
@@ -108,38 +126,70 @@ def _check_device(device: torch.device) -> None:
                            f"same up to kernel-specific buffers) or on the training machine")
 
 
-def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, compute_dtype: torch.dtype,
-           device: torch.device, param_dtype: torch.dtype | None) -> None:
-    """Run the step once on fake tensors with ``tracer`` attached."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = fake_parameters(module, mode, device, param_dtype)
-    state = {f"module.{name}": t for name, t in fake_state(module, params, mode, device).items()}
-    inputs = fake_batch(batch, mode, device)
-    wrapper = StepModule(module, _runner(step_fn, tracer, compute_dtype, device))
-    with training_mode(module), quiet_logging(module), tracer.attached(module, params):
-        with mode, tracer.op_mode():
+@dataclass(frozen=True)
+class _Settings:
+    """How the step runs: autocast dtype, device, parameter dtype, with or without backward."""
+
+    compute_dtype: torch.dtype
+    device: torch.device
+    param_dtype: torch.dtype | None
+    backward: bool
+
+
+def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, settings: _Settings) -> None:
+    """Run the step once on fake tensors with ``tracer`` attached; leave the module and RNG as they were."""
+    with preserved_rng(cuda=settings.device.type == "cuda"), preserved_state(module):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        params = fake_parameters(module, mode, settings.device, settings.param_dtype)
+        state = {f"module.{name}": t for name, t in fake_state(module, params, mode, settings.device).items()}
+        inputs = fake_batch(batch, mode, settings.device)
+        stand_ins = StepStandIns(module, lambda loss, *args, **kwargs: _backward(tracer, loss, *args, **kwargs))
+        wrapper = StepModule(module, _runner(step_fn, tracer, settings, stand_ins))
+        with _step_contexts(module, mode, tracer, params, stand_ins, settings.backward):
             try:
                 torch.func.functional_call(wrapper, state, (inputs,), tie_weights=True)
-            except torch._subclasses.fake_tensor.DataDependentOutputException as err:
-                raise ProfileError(f"the step needs real tensor values ({err}); profiling runs on fake "
-                                   "tensors, so keep data-dependent control flow out of training_step "
-                                   "or pass a step_fn without it") from err
+            except DataDependentOutputException as err:
+                raise ProfileError(f"the step reads tensor values in a way the trace cannot assume ({err}); "
+                                   "profiling runs on fake tensors, so keep that out of the step or pass a "
+                                   "step_fn without it") from err
+            except DynamicOutputShapeException as err:
+                raise ProfileError(f"the step calls {err.func}, whose output shape depends on tensor values the "
+                                   "trace cannot bound; pass a step_fn without it") from err
 
 
-def _runner(step_fn: StepFn, tracer: StepTracer, compute_dtype: torch.dtype, device: torch.device) -> StepFn:
-    """Forward and loss under autocast, then backward, telling the tracer where backward starts."""
-    autocast = compute_dtype != torch.float32
+@contextlib.contextmanager
+def _step_contexts(module: nn.Module, mode: FakeTensorMode, tracer: StepTracer, params: dict[str, nn.Parameter],
+                   stand_ins: StepStandIns, backward: bool) -> Iterator[None]:
+    """Module modes, stand-ins and hooks, then the dispatch modes (the last entered sees operators first)."""
+    with training_mode(module, training=backward), quiet_logging(module), stand_ins.installed():
+        with tracer.attached(module, params), mode, tracer.op_mode():
+            values = AssumedValues(mode)
+            with values, host_conversions(values):
+                yield
 
-    def run(module: nn.Module, batch: Any) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-            loss = step_fn(module, batch)
-        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-            raise ProfileError(f"step_fn must return a loss tensor that requires grad, got {type(loss).__name__}")
-        tracer.begin_backward()
-        loss.backward()
-        return loss.detach()
+
+def _runner(step_fn: StepFn, tracer: StepTracer, settings: _Settings, stand_ins: StepStandIns) -> StepFn:
+    """Forward and loss under autocast, then backward (unless the step ran its own, or none is wanted)."""
+    autocast = settings.compute_dtype != torch.float32
+
+    def run(module: nn.Module, batch: Any) -> None:
+        grad = contextlib.nullcontext() if settings.backward else torch.no_grad()
+        with grad, torch.autocast(settings.device.type, dtype=settings.compute_dtype, enabled=autocast):
+            out = step_fn(module, batch)
+        if settings.backward and stand_ins.backward_calls == 0:  # manual optimization ran its own backward
+            _backward(tracer, loss_of(out))
 
     return run
+
+
+def _backward(tracer: StepTracer, loss: Any, *args: Any, **kwargs: Any) -> None:
+    """``loss.backward()``, telling the tracer where backward starts and ends."""
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ProfileError(f"the step must return (or pass to manual_backward) a loss tensor that requires grad, "
+                           f"got {type(loss).__name__}")
+    tracer.begin_backward()
+    loss.backward(*args, **kwargs)
+    tracer.end_backward()
 
 
 def _assemble(table: ParamTable, tracer: StepTracer, accesses: list[Access], compute_dtype: torch.dtype) -> ModelProfile:

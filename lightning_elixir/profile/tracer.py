@@ -119,7 +119,17 @@ class StepTracer:
         self._close_current()
         self._current = None
         self.in_backward = True
-        self.totals.peak_bytes["backward"] = self.live.live_bytes
+        self.totals.peak_bytes["backward"] = max(self.totals.peak_bytes["backward"], self.live.live_bytes)
+
+    def end_backward(self) -> None:
+        """Mark the end of a backward: what runs next is forward again.
+
+        A manual-optimization step may run several forward/backward pairs (a GAN's generator and
+        discriminator losses); each pair is recorded in order, as the runtime's hooks see it.
+        """
+        self._close_current()
+        self._current = None
+        self.in_backward = False
 
     def finish(self) -> list[Access]:
         """Close the last access and return the sequence."""

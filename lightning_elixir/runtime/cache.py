@@ -88,6 +88,32 @@ class ChunkCache:
             self.chunks[c].pin()
         self._prefetch()
 
+    def acquire_extra(self, chunk_id: int) -> None:
+        """Gather and pin one chunk for a read outside the hooks, past the capacity if all are pinned.
+
+        Not recorded in the access order and no prefetch: such reads are few and not part of the
+        module sequence the order predicts.
+        """
+        chunk = self.chunks[chunk_id]
+        if chunk.state is ChunkState.GATHERING:
+            chunk.finish_gather()
+        if chunk.state is ChunkState.FREE:
+            victim = self._victim(protect=(chunk_id,)) if len(self.gathered) >= self.capacity else None
+            if victim is not None:
+                self._evict(victim)
+            self._gather(chunk, async_op=False)
+            chunk.finish_gather()
+        self.gathered.move_to_end(chunk_id)
+        chunk.pin()
+
+    def shrink(self) -> None:
+        """Evict unpinned chunks while more are gathered than the capacity (after extra acquisitions)."""
+        while len(self.gathered) > self.capacity:
+            victim = self._victim(protect=())
+            if victim is None:
+                return
+            self._evict(victim)
+
     def release_pins(self, ids: tuple[int, ...]) -> None:
         for c in ids:
             self.chunks[c].unpin()
@@ -122,16 +148,21 @@ class ChunkCache:
         while len(self.gathered) >= self.capacity:
             victim = self._victim(protect)
             if victim is None:
-                self._grow_or_raise()
+                self._grow_or_raise(protect)
                 return
             self._evict(victim)
 
-    def _grow_or_raise(self) -> None:
-        pinned = [c for c in self.gathered.values() if c.pins]
+    def _grow_or_raise(self, protect: tuple[int, ...]) -> None:
+        """No gathered chunk can go (pinned, or acquired with ``protect``): grow, or say how many are needed."""
         if not self.grow:
+            # Needed at once: the chunks still pinned (modules running or awaiting their gradients)
+            # and every chunk of this acquisition, gathered or not.
+            needed = sorted({c.index for c in self.gathered.values() if c.pins} | set(protect))
             raise CacheTooSmallError(
-                f"the cache has {self.capacity} block(s) but {len(pinned) + 1} chunks are needed at once; "
-                f"raise cache_blocks to at least {len(pinned) + 1}, or use cache_blocks='min'")
+                f"the plan's cache_blocks={self.capacity} is too small: {len(needed)} chunks {needed} are needed at "
+                f"once; set cache_blocks to at least {len(needed)}, or use cache_blocks='min' (ZeRO-3: the "
+                f"fewest blocks, grown as needed), cache_blocks='all' (ZeRO-2: every chunk stays gathered) or "
+                f"plan='auto'")
         self.capacity += 1
         log.debug("cache grows to %d blocks", self.capacity)
 

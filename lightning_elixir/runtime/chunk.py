@@ -35,6 +35,8 @@ class Slot:
     offset: int
     numel: int
     shape: torch.Size
+    dtype: torch.dtype = torch.float32
+    """The parameter's dtype before chunking (teardown gives it back in this dtype)."""
     view: Optional[torch.Tensor] = None
 
     @property
@@ -57,6 +59,8 @@ class Chunk:
         self.reduce_dtype = reduce_dtype
         self.state = ChunkState.HOLD  # born gathered: views are made while the storage exists
         self.pins = 0
+        self.exposed = False
+        """Code outside the hooks got hold of the gathered values and may write to them."""
         self._gather_work: Any = None
         nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.expand(slot.shape) if len(slot.shape) else nan[0] for slot in slots]
@@ -113,8 +117,10 @@ class Chunk:
             self._move(ChunkState.HOLD)
 
     def release(self) -> None:
-        """HOLD -> FREE: free the block; parameters point at an empty placeholder."""
+        """HOLD -> FREE: keep what was written to exposed values, free the block; placeholders in."""
         self._move(ChunkState.FREE)
+        if self.exposed:
+            self.write_back()
         for slot, placeholder in zip(self.slots, self._placeholders):
             slot.param.data = placeholder
         self.full.untyped_storage().resize_(0)
@@ -123,6 +129,37 @@ class Chunk:
         """Point each parameter's data at its view of the gathered block."""
         for slot in self.slots:
             slot.param.data = slot.view
+
+    def write_back(self) -> None:
+        """Copy values written to this rank's part of the gathered block into the master shard.
+
+        [Note: writes to parameters]
+        Code that writes to parameters in place (``p.data.clamp_()``, an EMA swap inside
+        ``gathered_params()``) writes to the gathered block, which the next gather overwrites.
+        Every rank runs the same code, so each one compares its own part of the block with its
+        compute-dtype shard and copies only the elements that changed into the master: the fp32
+        master keeps its precision wherever nothing was written.
+        """
+        self.exposed = False
+        own = self.full[self.shard_begin:self.shard_begin + self.shard_numel]
+        changed = own.ne(self.shard)
+        if not bool(changed.any()):
+            return
+        if self.master is not self.shard:
+            self.master.copy_(torch.where(changed, own.to(self.master.dtype), self.master))
+        self.shard.copy_(own)
+
+    def gather_grad(self) -> torch.Tensor:
+        """The full (averaged) gradient of the chunk, gathered from every rank's gradient shard."""
+        full = torch.empty(self.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        collectives.all_gather(full, self.grad_shard, self.group)
+        return full
+
+    def write_back_grad(self, full: torch.Tensor) -> None:
+        """Keep in-place changes to a gathered gradient (manual clipping) in this rank's shard."""
+        own = full[self.shard_begin:self.shard_begin + self.shard_numel]
+        if not torch.equal(own, self.grad_shard):
+            self.grad_shard.copy_(own)
 
     # ---- gradients --------------------------------------------------------------------------
 

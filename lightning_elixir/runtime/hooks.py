@@ -2,31 +2,45 @@
 
 [Note: the hook protocol]
 Every module that directly holds parameters gets:
-- a forward pre-hook: gather its chunks and pin them; when autograd will run, wrap its tensor
-  inputs in ``_PostBackward`` so that computing their gradients signals the module's backward end;
-- a forward hook: unpin; register tensor hooks on its outputs whose first firing is the module's
+- a forward pre-hook: gather its chunks and pin them; when autograd will run, open a
+  ``BackwardCall`` for this call and wrap its tensor inputs in ``_PostBackward`` so that computing
+  their gradients reports to that call;
+- a forward hook: unpin; register tensor hooks on its outputs whose first firing is the call's
   pre-backward (gather and pin again for backward).
 Every trainable parameter gets a post-accumulate-grad hook that moves its gradient into the
-chunk's buffer. A module's backward pins are dropped once its input gradients exist and every
-trainable parameter it holds has its gradient; a final autograd callback flushes the rest.
+chunk's buffer. A call's backward pins are dropped once its input gradients exist and every
+trainable parameter of the module has its gradient; a final autograd callback flushes the rest.
+Bookkeeping is per call, not per module, so a module may run several times in one step (a
+shared layer, a model called on two views): each call pins for its own backward, and a
+parameter's gradient (accumulated by autograd over all calls) releases them all.
 Forward calls that happen inside backward (activation-checkpoint recomputation) only gather, pin
 and unpin: the backward bookkeeping belongs to the original forward call.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from lightning_elixir.runtime.runtime import ElixirRuntime
 
-INPUTS = "inputs"
+
+class Wait(enum.Enum):
+    """What a module call's backward waits for besides its parameters' gradients."""
+
+    INPUTS = "the gradients of the module's inputs"
+
+
+WaitKey = Union[int, Wait]
+"""A trainable parameter's id, or a Wait."""
 
 
 def in_backward() -> bool:
@@ -34,17 +48,29 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-@dataclass
+@dataclass(eq=False)
+class BackwardCall:
+    """One forward call of a module under autograd, until its backward is done."""
+
+    state: "ModuleState"
+    pending: set[WaitKey]
+    pinned: bool = False
+
+
+@dataclass(eq=False)
 class ModuleState:
-    """Per-module bookkeeping: which chunks it needs and what its backward still waits for."""
+    """Per-module bookkeeping: which chunks it needs, whether it runs, what its backward waits for."""
 
     name: str
     public_ids: tuple[int, ...]
     trainable: frozenset[int]
     """ids of the trainable parameters it holds that live in public chunks."""
-    calls: int = 0
-    inputs_need_grad: bool = False
-    backward_pending: Optional[set] = None
+    param_ids: frozenset[int] = frozenset()
+    """ids of every parameter it holds directly."""
+    active: int = 0
+    """Forward calls of this module running right now (its chunks are pinned meanwhile)."""
+    calls: list[BackwardCall] = field(default_factory=list)
+    """Calls of this step whose backward has not finished."""
     handles: list[RemovableHandle] = field(default_factory=list)
 
 
@@ -65,55 +91,60 @@ class _PostBackward(torch.autograd.Function):
 def install(runtime: "ElixirRuntime", module: nn.Module) -> list[ModuleState]:
     """Register the hooks of the protocol on ``module``'s tree; return the per-module states."""
     states = []
-    root_handle = module.register_forward_pre_hook(lambda mod, args: runtime.begin_iteration(), prepend=True)
+    runtime.handles.append(module.register_forward_pre_hook(lambda mod, args: runtime.root_pre_forward(), prepend=True))
+    runtime.handles.append(module.register_forward_hook(lambda mod, args, out: runtime.root_post_forward(),
+                                                        always_call=True))
     for name, mod in module.named_modules():
         direct = [p for p in mod._parameters.values() if p is not None]
         if not direct:
             continue
         public = runtime.public_chunk_ids(direct)
         trainable = frozenset(id(p) for p in direct if p.requires_grad and runtime.is_public(p))
-        state = ModuleState(name or "<root>", public, trainable)
+        state = ModuleState(name or "<root>", public, trainable, frozenset(id(p) for p in direct))
         state.handles.append(mod.register_forward_pre_hook(_pre_forward(runtime, state), with_kwargs=True))
-        state.handles.append(mod.register_forward_hook(_post_forward(runtime, state)))
+        state.handles.append(mod.register_forward_hook(_post_forward(runtime, state), always_call=True))
         states.append(state)
     for p in runtime.trainable_params():
         runtime.handles.append(p.register_post_accumulate_grad_hook(runtime.on_param_grad))
-    runtime.handles.append(root_handle)
     return states
 
 
 def _pre_forward(runtime: "ElixirRuntime", state: ModuleState):
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        runtime.before_module(state)
-        if not state.public_ids or not torch.is_grad_enabled() or in_backward():
-            return None
-        return _wrap_inputs(runtime, state, args, kwargs)
+        with record_function("Elixir::pre_forward"):
+            runtime.before_module(state)
+            if not state.public_ids or not torch.is_grad_enabled() or in_backward():
+                return None
+            call = BackwardCall(state, set(state.trainable))
+            state.calls.append(call)
+            return _wrap_inputs(runtime, call, args, kwargs)
 
     return hook
 
 
 def _post_forward(runtime: "ElixirRuntime", state: ModuleState):
     def hook(mod: nn.Module, args: tuple, output: Any) -> None:
-        runtime.after_module(state)
-        if state.public_ids and torch.is_grad_enabled() and not in_backward():
-            _register_pre_backward(runtime, state, output)
+        with record_function("Elixir::post_forward"):
+            runtime.after_module(state)
+            if state.public_ids and torch.is_grad_enabled() and not in_backward() and state.calls:
+                _register_pre_backward(runtime, state.calls[-1], output)
 
     return hook
 
 
-def _wrap_inputs(runtime: "ElixirRuntime", state: ModuleState, args: tuple, kwargs: dict) -> Optional[tuple]:
+def _wrap_inputs(runtime: "ElixirRuntime", call: BackwardCall, args: tuple, kwargs: dict) -> Optional[tuple]:
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    state.inputs_need_grad = bool(positions)
     if not positions:
         return None
-    wrapped = _PostBackward.apply(lambda: runtime.module_event(state, INPUTS), *(flat[i] for i in positions))
+    call.pending.add(Wait.INPUTS)
+    wrapped = _PostBackward.apply(lambda: runtime.call_event(call, Wait.INPUTS), *(flat[i] for i in positions))
     for i, t in zip(positions, wrapped):
         flat[i] = t
     return tree_unflatten(flat, spec)
 
 
-def _register_pre_backward(runtime: "ElixirRuntime", state: ModuleState, output: Any) -> None:
+def _register_pre_backward(runtime: "ElixirRuntime", call: BackwardCall, output: Any) -> None:
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
         return
@@ -122,7 +153,8 @@ def _register_pre_backward(runtime: "ElixirRuntime", state: ModuleState, output:
     def hook(grad: torch.Tensor) -> None:
         if not fired[0]:
             fired[0] = True
-            runtime.before_module_backward(state)
+            with record_function("Elixir::pre_backward"):
+                runtime.before_call_backward(call)
 
     for t in tensors:
         t.register_hook(hook)

@@ -23,11 +23,13 @@ from lightning_elixir.plan import (
     chunk_used_numel,
     default_chunk_numel,
     pack_chunks,
+    round_up,
     slot_offsets,
 )
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.policy import PrecisionPolicy
 
 def param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     """For each parameter (by id), every (module name, module) that holds it directly."""
@@ -45,15 +47,28 @@ def shared_param_names(module: nn.Module) -> set[str]:
     return {name for name, p in module.named_parameters() if len(owners[id(p)]) > 1}
 
 
-def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private: Iterable[str] = ()) -> tuple[ChunkSpec, ...]:
-    """The chunk layout for ``module``: the plan's own, validated, or packed in registration order."""
+def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private: Iterable[str] = (),
+                  full_precision: Iterable[str] = ()) -> tuple[ChunkSpec, ...]:
+    """The chunk layout for ``module``: the plan's own, validated, or packed in registration order.
+
+    Without an explicit layout, parameters that compute in full precision (see
+    ``PrecisionPolicy.keeps_full_precision``) share one private chunk of that dtype, so that the
+    public chunks keep the compute dtype. An explicit layout is run as given: a chunk that holds
+    such a parameter computes in full precision as a whole.
+    """
     named = list(module.named_parameters())
     shared = shared_param_names(module) | set(private)
-    if not plan.chunks:
-        chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared])
-        return pack_chunks([(n, p.numel()) for n, p in named], chunk_numel, world_size, shared)
-    _check_plan_matches(plan, named, world_size, shared)
-    return plan.chunks
+    if plan.chunks:
+        _check_plan_matches(plan, named, world_size, shared)
+        return plan.chunks
+    full = [(n, p.numel()) for n, p in named if n in set(full_precision) and n not in shared]
+    own = {n for n, _ in full}
+    chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | own])
+    specs = pack_chunks([(n, p.numel()) for n, p in named if n not in own], chunk_numel, world_size, shared)
+    if not full:
+        return specs
+    numel = round_up(chunk_used_numel([n for _, n in full]), world_size)
+    return specs + (ChunkSpec(tuple(n for n, _ in full), numel, private=True),)
 
 
 def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]], world_size: int, shared: set[str]) -> None:
@@ -77,30 +92,37 @@ def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]],
 
 
 def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, device: torch.device,
-                 compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype) -> list[Chunk]:
-    """Create every chunk, materialise and shard its parameters, and leave it released."""
-    _replace_meta_params(module, device, compute_dtype)
+                 policy: PrecisionPolicy, full_precision: Iterable[str] = ()) -> list[Chunk]:
+    """Create every chunk, materialise and shard its parameters, and leave it released.
+
+    A chunk holding a parameter named in ``full_precision`` computes in the master dtype.
+    """
+    full_precision = set(full_precision)
+    _replace_meta_params(module, device)
     params = dict(module.named_parameters())
     chunks = []
     for index, spec in enumerate(specs):
         members = [params[name] for name in spec.params]
         offsets = slot_offsets([p.numel() for p in members])
-        slots = [Slot(n, p, off, p.numel(), p.shape) for n, p, off in zip(spec.params, members, offsets)]
-        chunks.append(Chunk(index, spec, slots, group, device, compute_dtype, master_dtype, reduce_dtype))
-    _materialize(module, chunks, group, master_dtype)
+        slots = [Slot(n, p, off, p.numel(), p.shape, p.dtype) for n, p, off in zip(spec.params, members, offsets)]
+        full = bool(full_precision.intersection(spec.params))
+        compute = policy.master_dtype if full else policy.compute_dtype
+        reduce = torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype
+        chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce))
+    _materialize(module, chunks, group, policy.master_dtype)
     for chunk in chunks:
         chunk.release()
     return chunks
 
 
-def _replace_meta_params(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
     """Swap meta parameters for real (empty) ones in every module that holds them."""
     owners = param_owners(module)
     for _, p in list(module.named_parameters()):
         if not p.is_meta:
             continue
         # One element expanded to the right shape: numel/shape stay true until the chunk view is bound.
-        stub = torch.empty(1, dtype=dtype, device=device).expand(p.shape) if p.dim() else torch.empty((), dtype=dtype, device=device)
+        stub = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape) if p.dim() else torch.empty((), dtype=p.dtype, device=device)
         real = nn.Parameter(stub, requires_grad=p.requires_grad)
         real._elixir_meta_shape = p.shape  # type: ignore[attr-defined]
         for _, mod in owners[id(p)]:
@@ -178,7 +200,18 @@ def materialize_buffers(module: nn.Module, device: torch.device) -> None:
             mod.reset_parameters()
 
 
-def broadcast_buffers(module: nn.Module, group: Group) -> None:
-    """Make every rank start from rank 0's buffers, as DDP does."""
-    for buf in module.buffers():
-        collectives.broadcast(buf, group, src=0)
+def broadcast_buffers(buffers: list[torch.Tensor], group: Group) -> None:
+    """Overwrite every rank's buffers with rank 0's, as DDP does: one broadcast per dtype and device."""
+    if group.world_size == 1:
+        return
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for buf in buffers:
+        by_kind[(buf.dtype, buf.device)].append(buf)
+    for same in by_kind.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in same])
+        collectives.broadcast(flat, group, src=0)
+        offset = 0
+        with torch.no_grad():
+            for b in same:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()

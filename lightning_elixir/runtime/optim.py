@@ -30,7 +30,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 
 
 def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
-    """Swap ``optimizer``'s parameters for this rank's shard views, in place; return it."""
+    """Swap ``optimizer``'s parameters for this rank's shard views, in place; return it.
+
+    Lightning's stand-in for ``configure_optimizers`` returning None (``_MockOptimizer``, which
+    holds a dummy tensor of its own and never steps) is returned unchanged: there is nothing to
+    shard, and the model trains forward and backward without updates, as under DDP.
+    """
+    cls = type(optimizer)  # matched by name: runtime/ does not import Lightning (either package)
+    if cls.__name__ == "_MockOptimizer" and cls.__module__ in ("lightning.pytorch.core.optimizer",
+                                                               "pytorch_lightning.core.optimizer"):
+        return optimizer
     if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
         raise TypeError(f"{type(optimizer).__name__} is not element-wise, so it cannot run on parameter shards; "
@@ -128,6 +137,7 @@ def optimizer_step(runtime, optimizer: Optimizer, clip_norm: float | None = None
         clip_grad_norm_(runtime, clip_norm)
     if clip_value is not None:
         clip_grad_value_(runtime, clip_value)
+    runtime.before_step()
     optimizer.step()
     runtime.after_step(stepped=True)
     return True

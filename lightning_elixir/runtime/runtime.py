@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.autograd.profiler import record_function
 
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError
 from lightning_elixir.runtime import collectives, hooks
+from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.collectives import Group
-from lightning_elixir.runtime.layout import broadcast_buffers, build_chunks, materialize_buffers, resolve_specs
+from lightning_elixir.runtime.hooks import BackwardCall, ModuleState, WaitKey, in_backward
+from lightning_elixir.runtime import layout
+from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, resolve_specs
+from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
+from lightning_elixir.runtime.policy import PrecisionPolicy
 from lightning_elixir.runtime.states import ChunkState
 
 log = logging.getLogger(__name__)
@@ -28,52 +35,73 @@ class ElixirRuntime:
         module: the model (a LightningModule or any nn.Module); its parameters become chunk views.
         plan: the plan to execute.
         device: where chunks, gathered blocks and (for "device" placement) sharded state live.
-        compute_dtype: dtype of the gathered parameters the model computes with.
+        policy: the dtypes of the run (default: fp32 everywhere, or ``compute_dtype``/``master_dtype``).
+        compute_dtype: dtype of the gathered parameters the model computes with (without ``policy``).
         master_dtype: dtype of the master shards the optimizer updates (default: compute dtype).
         group: the data-parallel group (default: the world, or a single process).
         private_params: names that get their own always-gathered chunk, besides the tied ones.
         grow_cache: let an int ``cache_blocks`` grow when more chunks are needed at once than it
             allows (a searched plan's prediction was short) instead of raising.
+        broadcast_buffers: overwrite every rank's buffers with rank 0's before each forward that
+            follows a training forward, as DDP does by default (BatchNorm running statistics).
     """
 
     def __init__(self, module: nn.Module, plan: Optional[ElixirPlan] = None, *, device: Union[str, torch.device] = "cpu",
-                 compute_dtype: torch.dtype = torch.float32, master_dtype: Optional[torch.dtype] = None,
-                 group: Optional[Group] = None, private_params: Iterable[str] = (), grow_cache: bool = False) -> None:
+                 policy: Optional[PrecisionPolicy] = None, compute_dtype: Optional[torch.dtype] = None,
+                 master_dtype: Optional[torch.dtype] = None, group: Optional[Group] = None,
+                 private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True) -> None:
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
         self.device = torch.device(device)
-        self.compute_dtype = compute_dtype
-        self.master_dtype = master_dtype or compute_dtype
-        reduce_dtype = torch.float32 if self.plan.reduce_in_fp32 and self.master_dtype == torch.float32 else compute_dtype
-        specs = resolve_specs(module, self.plan, self.group.world_size, private_params)
+        if policy is None:
+            compute = compute_dtype or torch.float32
+            policy = PrecisionPolicy(compute, master_dtype or compute)
+        self.policy = dataclasses.replace(policy, reduce_in_fp32=policy.reduce_in_fp32 and self.plan.reduce_in_fp32)
+        full_precision = self.policy.full_precision_params(module)
+        specs = resolve_specs(module, self.plan, self.group.world_size, private_params, full_precision)
         if any(spec.placement != "device" for spec in specs):
             raise PlanError("this version runs every chunk's sharded state on the device; "
                             "set placement='device' for all chunks (CPU/NVMe offload is not available yet)")
         materialize_buffers(module, self.device)
-        self.chunks = build_chunks(module, specs, self.group, self.device, compute_dtype, self.master_dtype, reduce_dtype)
-        broadcast_buffers(module, self.group)
+        self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision)
+        self._buffers = [b for b in module.buffers()]
+        layout.broadcast_buffers(self._buffers, self.group)
+        self.broadcast_buffers = broadcast_buffers
+        self._sync_buffers_next = broadcast_buffers
         self.public = [c for c in self.chunks if not c.private]
         self.private = [c for c in self.chunks if c.private]
         self._where: dict[int, tuple[Chunk, Slot]] = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
         self.handles: list[Any] = []
         grow = grow_cache or self.plan.cache_blocks == CACHE_MIN
         self.cache = ChunkCache(self.public, self._capacity(), grow, self.plan.prefetch_depth)
+        self.access = AccessGuard(self)
         self.states = hooks.install(self, module)
         if self.plan.cache_blocks == CACHE_MIN:
             self.cache.capacity = max([len(s.public_ids) for s in self.states] + [1])
-        self._state_of = {pid: s for s in self.states for pid in s.trainable}
+        self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
         self._reduce_order = [c for c in reversed(self.public) if c.grad_requiring] + [c for c in self.private if c.grad_requiring]
         self._next_reduce = 0
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
         self._views: dict[int, nn.Parameter] = {}
         self._grad_valid = {c.index: False for c in self.chunks}
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
         self.scaler: Any = None
         self.private_gathers = 0
         self.micro_batches = 0
         self.steps = 0
         self.skipped_steps = 0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.policy.master_dtype
 
     # ---- layout queries ---------------------------------------------------------------------
 
@@ -91,6 +119,18 @@ class ElixirRuntime:
     def is_public(self, param: nn.Parameter) -> bool:
         return not self._where[id(param)][0].private
 
+    def where(self, param: nn.Parameter) -> tuple[Chunk, Slot]:
+        """The chunk and slot of one of the module's parameters."""
+        return self._where[id(param)]
+
+    def owner(self, param: nn.Parameter) -> Optional[ModuleState]:
+        """The state of the module that holds ``param`` directly (the first, for tied ones)."""
+        return self._owner.get(id(param))
+
+    def grad_valid(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s gradient shard holds this step's reduced gradient."""
+        return self._grad_valid[chunk.index]
+
     def param_ids(self) -> set[int]:
         """ids of every parameter the chunks hold."""
         return set(self._where)
@@ -104,36 +144,63 @@ class ElixirRuntime:
 
     # ---- iteration and module hooks -----------------------------------------------------------
 
+    def root_pre_forward(self) -> None:
+        """The root module's forward starts; outside a strategy step it begins an iteration."""
+        self.access.forward_depth += 1
+        if self.access.forward_depth == 1 and not self.access.stepping:
+            self.begin_iteration()
+
+    def root_post_forward(self) -> None:
+        self.access.forward_depth -= 1
+
     def begin_iteration(self) -> None:
-        """A forward pass starts: replay the recorded order and gather the private chunks."""
-        if hooks.in_backward():
+        """A forward pass starts: replay the recorded order, gather the private chunks, sync buffers."""
+        if in_backward():
             return
-        for state in self.states:
-            state.calls = 0
+        if not torch.is_grad_enabled() and not self._callback_queued:
+            self.end_iteration()  # a no-grad iteration holds nothing past its own end
         self.cache.begin_iteration(torch.is_grad_enabled())
         for chunk in self.private:
             if chunk.state is ChunkState.FREE:
-                chunk.start_gather(async_op=False)
-                chunk.finish_gather()
-                self.private_gathers += 1
+                self.gather_private(chunk)
+        self._sync_buffers()
 
-    def before_module(self, state: hooks.ModuleState) -> None:
-        if not hooks.in_backward():
-            state.calls += 1
-            if state.calls > 1 and state.public_ids and torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"module {state.name!r} ran more than once in one forward pass; its parameters are shared "
-                    "across uses and need a private chunk: pass private_params=[...] or use plan='auto'")
+    def end_iteration(self) -> None:
+        """A step without backward is over (evaluation): let go of what reads outside the hooks held."""
+        if not self._callback_queued:
+            self.access.release_sticky()
+            self.cache.shrink()
+
+    def _sync_buffers(self) -> None:
+        """DDP's default: rank 0's buffers before a forward that follows a training forward."""
+        if self.broadcast_buffers and self._sync_buffers_next and self._buffers:
+            with record_function("Elixir::broadcast_buffers"):
+                layout.broadcast_buffers(self._buffers, self.group)
+        self._sync_buffers_next = torch.is_grad_enabled()
+
+    def gather_private(self, chunk: Chunk) -> None:
+        chunk.start_gather(async_op=False)
+        chunk.finish_gather()
+        self.private_gathers += 1
+
+    def acquire_outside_hooks(self, chunk_index: int) -> None:
+        """Gather and pin a public chunk for a read that no module hook covers."""
+        self.cache.acquire_extra(chunk_index)
+
+    def before_module(self, state: ModuleState) -> None:
+        if state.public_ids:
+            self.cache.acquire(state.public_ids)
+            if in_backward():
+                self._recompute_pins.append(state.public_ids)
+        state.active += 1
+
+    def after_module(self, state: ModuleState) -> None:
+        if not state.active:
+            return  # the pre-hook failed (the forward hook runs even then)
+        state.active -= 1
         if not state.public_ids:
             return
-        self.cache.acquire(state.public_ids)
-        if hooks.in_backward():
-            self._recompute_pins.append(state.public_ids)
-
-    def after_module(self, state: hooks.ModuleState) -> None:
-        if not state.public_ids:
-            return
-        if hooks.in_backward():
+        if in_backward():
             if state.public_ids not in self._recompute_pins:
                 return  # already dropped by _drop_recompute_pins
             self._recompute_pins.remove(state.public_ids)
@@ -148,37 +215,41 @@ class ElixirRuntime:
         while self._recompute_pins:
             self.cache.release_pins(self._recompute_pins.pop())
 
-    def before_module_backward(self, state: hooks.ModuleState) -> None:
+    def before_call_backward(self, call: BackwardCall) -> None:
+        """The first gradient reached one forward call's outputs: pin its chunks for its backward."""
         self._drop_recompute_pins()
         self._queue_finish()
-        self.cache.acquire(state.public_ids)
-        pending = set(state.trainable) | ({hooks.INPUTS} if state.inputs_need_grad else set())
-        state.backward_pending = pending or {"end-of-backward"}
+        self.cache.acquire(call.state.public_ids)
+        call.pinned = True
+        if not call.pending:  # nothing to wait for: hold until the end of backward
+            call.pending.add(hooks.Wait.INPUTS)
 
-    def module_event(self, state: hooks.ModuleState, key: Any) -> None:
-        """One thing a module's backward waits for has happened; unpin once nothing is left."""
+    def call_event(self, call: BackwardCall, key: WaitKey) -> None:
+        """One thing a call's backward waits for has happened; unpin once nothing is left."""
         self._drop_recompute_pins()
-        if state.backward_pending is None:
+        call.pending.discard(key)
+        if call.pending or not call.pinned:
             return
-        state.backward_pending.discard(key)
-        if not state.backward_pending:
-            state.backward_pending = None
-            self.cache.release_pins(state.public_ids)
+        call.pinned = False
+        self.cache.release_pins(call.state.public_ids)
+        call.state.calls.remove(call)
 
     # ---- gradients ----------------------------------------------------------------------------
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move the gradient into its chunk and reduce when complete."""
-        self._drop_recompute_pins()
-        self._queue_finish()
-        chunk, slot = self._where[id(param)]
-        chunk.add_grad(slot, param.grad)
-        param.grad = None
-        if chunk.grads_complete:
-            self._launch_ready_reduces()
-        state = self._state_of.get(id(param))
-        if state is not None:
-            self.module_event(state, id(param))
+        with record_function("Elixir::post_accumulate_grad"):
+            self._drop_recompute_pins()
+            self._queue_finish()
+            chunk, slot = self._where[id(param)]
+            chunk.add_grad(slot, param.grad)
+            param.grad = None
+            if chunk.grads_complete:
+                self._launch_ready_reduces()
+            state = self._owner.get(id(param))
+            if state is not None and id(param) in state.trainable:
+                for call in list(state.calls):
+                    self.call_event(call, id(param))
 
     def _launch_ready_reduces(self) -> None:
         """Start reduce-scatters in the fixed order while the next chunk in it is complete."""
@@ -194,21 +265,29 @@ class ElixirRuntime:
 
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left (missing gradients count as zero), publish shards."""
-        self._callback_queued = False
-        self._drop_recompute_pins()
-        for chunk in self._reduce_order[self._next_reduce:]:
-            chunk.start_reduce()
-        for chunk in self._reduce_order:
-            chunk.finish_reduce(accumulate=self._accumulates(chunk))
-            self._grad_valid[chunk.index] = True
-            self._publish_grad(chunk)
-            chunk.reset_grad_tracking()
-        self._next_reduce = 0
+        with record_function("Elixir::finish_backward"):
+            self._callback_queued = False
+            self._drop_recompute_pins()
+            self.access.flush_grads()
+            for chunk in self._reduce_order[self._next_reduce:]:
+                chunk.start_reduce()
+            for chunk in self._reduce_order:
+                chunk.finish_reduce(accumulate=self._accumulates(chunk))
+                self._grad_valid[chunk.index] = True
+                self._publish_grad(chunk)
+                chunk.reset_grad_tracking()
+            self._next_reduce = 0
+            self._release_backward_calls()
+            self.access.release_sticky()
+            self.cache.shrink()
+            self.micro_batches += 1
+
+    def _release_backward_calls(self) -> None:
         for state in self.states:
-            if state.backward_pending is not None:
-                state.backward_pending = None
-                self.cache.release_pins(state.public_ids)
-        self.micro_batches += 1
+            for call in state.calls:
+                if call.pinned:
+                    self.cache.release_pins(state.public_ids)
+            state.calls = []
 
     def _chunk_views(self, chunk: Chunk) -> list[tuple[Slot, nn.Parameter]]:
         return [(s, self._views[id(s.param)]) for s in chunk.slots if id(s.param) in self._views]
@@ -229,6 +308,7 @@ class ElixirRuntime:
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the optimizer's own zero_grad does the same through views)."""
         self._grad_valid = {c.index: False for c in self.chunks}
+        self.access.drop_grads()
         for view in self._views.values():
             view.grad = None
 
@@ -252,13 +332,23 @@ class ElixirRuntime:
         """This rank's gradient shards, one per chunk that has trainable parameters."""
         return [c.grad_shard for c in self.chunks if c.grad_requiring and self._grad_valid[c.index]]
 
+    def before_step(self) -> None:
+        """The optimizer is about to update the masters: keep what code wrote to gathered values first."""
+        self.access.flush_grads()
+        for chunk in self.chunks:
+            if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
+                chunk.write_back()
+
     def after_step(self, stepped: bool = True) -> None:
         """The optimizer has updated the masters: refresh the shards and mark gathered chunks stale."""
+        self.access.drop_grads()
         if not stepped:
             self.skipped_steps += 1
             return
         self.steps += 1
+        self.access.release_sticky()
         for chunk in self.chunks:
+            chunk.exposed = False  # written back by before_step; the gathered values are stale now
             chunk.refresh_shard()
         self.cache.invalidate()
         for chunk in self.private:
@@ -266,11 +356,20 @@ class ElixirRuntime:
                 chunk.release()
 
     def release_all(self) -> None:
-        """Free every gathered block (e.g. before a state-dict load, or at teardown)."""
+        """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
+        self.access.release_sticky()
         self.cache.invalidate()
         for chunk in self.private:
             if chunk.state is not ChunkState.FREE:
                 chunk.release()
+
+    def step_region(self):
+        """Context: code every rank runs together (a step); reads outside the hooks gather on demand."""
+        return self.access.step()
+
+    def gathered(self, params: Optional[Iterable[nn.Parameter]] = None, grads: bool = False):
+        """Context: full parameters (and gradients) for reads; see ``AccessGuard.gathered``."""
+        return self.access.gathered(params, grads)
 
     # ---- accounting -----------------------------------------------------------------------------
 
@@ -292,9 +391,29 @@ class ElixirRuntime:
             "private_gathers": self.private_gathers,
         }
 
+    # ---- giving the module back -------------------------------------------------------------------
+
     def remove_hooks(self) -> None:
         for state in self.states:
             for handle in state.handles:
                 handle.remove()
         for handle in self.handles:
             handle.remove()
+
+    def restore_module(self) -> None:
+        """Give the module plain parameters with the trained values on every rank; remove the hooks.
+
+        Chunk by chunk: each chunk's master is gathered, its parameters get their own copies in
+        their original dtype, and the gathered buffer goes before the next chunk.
+        """
+        self.release_all()
+        with torch.no_grad():
+            for chunk in self.chunks:
+                full = torch.empty(chunk.numel, dtype=chunk.master.dtype, device=chunk.master.device)
+                collectives.all_gather(full, chunk.master, self.group)
+                for slot in chunk.slots:
+                    unchunk_parameter(slot.param)
+                    slot.param.data = full[slot.offset:slot.end].view(slot.shape).to(slot.dtype, copy=True)
+                    slot.param.grad = None
+                del full
+        self.remove_hooks()

@@ -20,6 +20,7 @@ from lightning_elixir.runtime.state_dict import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.runtime.states import ChunkState, IllegalTransition, check_transition
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -55,13 +56,20 @@ def test_releasing_a_pinned_chunk_raises():
         chunk.release()
 
 
-def test_released_parameters_keep_their_shape_and_read_as_nan():
+def test_released_parameters_keep_their_metadata_and_refuse_value_reads_outside_the_step():
     model = _gpt()
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
     for name, p in model.named_parameters():
-        assert p.shape == shapes[name]
-        assert torch.isnan(p).all()
+        assert p.shape == reference[name].shape and p.dim() == reference[name].dim() and p.numel() > 0
+        with pytest.raises(OutsideStepError, match="gathered_params"):
+            torch.isnan(p)
+        with pytest.raises(OutsideStepError, match=name.replace(".", r"\.")):
+            p.data.sum()
+    with runtime.gathered():  # reads gather on demand; the values are the real ones
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), reference[name])
+    assert runtime.cache.gathered == {} or all(c.pins == 0 for c in runtime.cache.gathered.values())
 
 
 def test_too_small_cache_says_how_many_blocks_are_needed():
@@ -185,22 +193,43 @@ def test_loading_a_mismatched_state_dict_fails_before_changing_anything():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_module_called_twice_needs_a_private_chunk():
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+class _Twice(nn.Module):
+    """One layer applied twice per forward, beside another layer: they share a public chunk."""
 
-        def forward(self, x):
-            return self.lin(self.lin(x))
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
 
-    model = Twice()
-    ElixirRuntime(model, ElixirPlan(chunk_numel=64))
-    with pytest.raises(RuntimeError, match="ran more than once.*private"):
-        model(torch.randn(2, 4))
-    ref = copy.deepcopy(Twice())
-    ElixirRuntime(ref, ElixirPlan(chunk_numel=64), private_params=["lin.weight", "lin.bias"])
-    ref(torch.randn(2, 4)).sum().backward()
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_module_called_twice_in_one_forward_trains_like_the_plain_module(private):
+    torch.manual_seed(0)
+    ref = _Twice()
+    model = copy.deepcopy(ref)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64, cache_blocks=1), grow_cache=True,
+                            private_params=["lin.weight", "lin.bias"] if private else ())
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().sum()
+        loss.backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_loss = ref(x).square().sum()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for chunk in runtime.chunks:
+        assert chunk.pins == 0
+    runtime.restore_module()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_lr_scheduler_drives_the_sharded_optimizer():

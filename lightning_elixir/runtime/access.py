@@ -1,0 +1,198 @@
+"""Reads of parameters and gradients that the module hooks do not cover.
+
+[Note: reading outside the hooks]
+``ChunkedParameter`` (params.py) reports every value read of a parameter. A read is served at
+once when the hooks already hold the chunk: the owning module is running, or it is a private
+chunk inside the step, or autograd is running a backward that uses it. Otherwise what happens
+depends on where the read is:
+
+- In the step (between ``begin_iteration`` and the end of backward, inside a forward, or inside
+  the strategy's ``training_step``): every rank runs the same code, so the chunk is gathered on
+  demand and *held* ("sticky") until the end of backward (until the end of the iteration without
+  grad): autograd may have saved the parameter for the backward of the operator that read it.
+  ``nn.MultiheadAttention`` reading ``out_proj.weight``, a tied head, an L2 penalty over
+  ``self.parameters()`` all work this way; a profiled plan gives such parameters private chunks.
+- In a gathered region (``gathered()``; the strategy opens one around the hooks Lightning runs
+  after backward and before the optimizer step): the same on-demand gather, held until the region
+  ends; gradients read through ``.grad`` are gathered from the shards, and in-place changes to
+  values or gradients are kept (written back to this rank's shard) when it ends.
+- Anywhere else (a callback after the step, code after fit with the shards kept): there is no
+  point at which every rank is known to read, so the read raises ``OutsideStepError`` saying how
+  to read it. A placeholder value is never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_elixir.runtime.chunk import Chunk
+from lightning_elixir.runtime.hooks import in_backward
+from lightning_elixir.runtime.states import ChunkState
+
+if TYPE_CHECKING:
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+
+log = logging.getLogger(__name__)
+
+_HOW = ("read it inside `with trainer.strategy.gathered_params():` (entered on every rank; ElixirRuntime.gathered() "
+        "without the Trainer), or after fit, when the module has its full parameters back")
+
+
+class OutsideStepError(RuntimeError):
+    """A sharded parameter or gradient was read where the ranks cannot gather it together."""
+
+
+class _Region:
+    """What one gathered region holds, to let go of when it ends."""
+
+    def __init__(self) -> None:
+        self.public: list[int] = []
+        self.private: list[Chunk] = []
+
+
+class AccessGuard:
+    """Serves the reads of [Note: reading outside the hooks] for one runtime."""
+
+    def __init__(self, runtime: "ElixirRuntime") -> None:
+        self.runtime = runtime
+        self.stepping = 0
+        """Open step regions (the strategy's training/validation/... step)."""
+        self.forward_depth = 0
+        """Running forward calls of the root module."""
+        self.sticky: list[int] = []
+        """Public chunks held until the end of backward (or of a no-grad iteration)."""
+        self.full_grads: dict[int, torch.Tensor] = {}
+        """Gradients gathered for reads, by chunk index, until written back."""
+        self._region: Optional[_Region] = None
+        self._warned: set[str] = set()
+
+    # ---- where are we --------------------------------------------------------------------------
+
+    def in_step(self) -> bool:
+        return self.stepping > 0 or self.forward_depth > 0 or in_backward()
+
+    def in_region(self) -> bool:
+        return self._region is not None or self.in_step()
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def on_param_read(self, param: nn.Parameter) -> bool:
+        """Make ``param``'s values real for a read; True when it was read outside the hooks."""
+        chunk, slot = self.runtime.where(param)
+        if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
+            owner = self.runtime.owner(param)
+            if (owner is not None and owner.active) or in_backward() or (chunk.private and self.in_region()):
+                return False
+        if not self.in_region():
+            raise OutsideStepError(f"parameter {slot.name!r} is sharded over the ranks outside the training step "
+                                   f"(this rank holds only its shard); {_HOW}")
+        self._hold(chunk, slot.name)
+        chunk.exposed = True
+        return True
+
+    def on_grad_read(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """``param.grad``: autograd's own while it accumulates, else gathered from the shards."""
+        with torch._C.DisableTorchFunctionSubclass():
+            raw = param.grad
+        if raw is not None or in_backward() or not param.requires_grad:
+            return raw
+        chunk, slot = self.runtime.where(param)
+        if not self.runtime.grad_valid(chunk):
+            return None
+        if not self.in_region():
+            raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
+                                   f"(reduce-scattered into shards); {_HOW}")
+        full = self.full_grads.get(chunk.index)
+        if full is None:
+            full = self.full_grads[chunk.index] = chunk.gather_grad()
+        return full[slot.offset:slot.end].view(slot.shape)
+
+    def _hold(self, chunk: Chunk, name: str) -> None:
+        """Gather ``chunk`` if needed and keep it until the region or step lets go."""
+        if chunk.private:
+            if chunk.state is ChunkState.FREE:
+                self.runtime.gather_private(chunk)
+                if self._region is not None:
+                    self._region.private.append(chunk)
+            return
+        held = self._region.public if self._region is not None else self.sticky
+        if chunk.index in held:
+            return
+        self.runtime.acquire_outside_hooks(chunk.index)
+        held.append(chunk.index)
+        if self._region is None and name not in self._warned:
+            self._warned.add(name)
+            log.info("parameter %r is read outside the forward of the module that holds it: its chunk stays "
+                     "gathered until the end of backward (plan='auto' or private_params=[...] gives it a private "
+                     "chunk)", name)
+
+    # ---- letting go ----------------------------------------------------------------------------
+
+    def release_sticky(self) -> None:
+        """End of backward or of the iteration: unpin what reads outside the hooks held."""
+        if self.sticky:
+            self.runtime.cache.release_pins(tuple(self.sticky))
+            self.sticky = []
+
+    def flush_grads(self) -> None:
+        """Keep in-place changes to gathered gradients in the shards, and drop the gathered copies."""
+        for index, full in self.full_grads.items():
+            self.runtime.chunks[index].write_back_grad(full)
+        self.full_grads = {}
+
+    def drop_grads(self) -> None:
+        """Forget gathered gradients without keeping changes (they were zeroed)."""
+        self.full_grads = {}
+
+    # ---- regions -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Code every rank runs in the same order (a training or evaluation step)."""
+        self.stepping += 1
+        try:
+            yield
+        finally:
+            self.stepping -= 1
+
+    @contextlib.contextmanager
+    def gathered(self, params: Optional[Iterable[nn.Parameter]] = None, grads: bool = False) -> Iterator[None]:
+        """Full parameters (and gradients) for reads until exit; what is written to them is kept.
+
+        Args:
+            params: chunks holding these parameters are gathered on entry, so code inside may read
+                them on some ranks only; others are gathered when read (every rank must read them).
+                Default: none up front.
+            grads: also gather these parameters' gradients on entry.
+        """
+        if self._region is not None:  # nested: the outer region holds and writes back
+            yield
+            return
+        self._region = _Region()
+        try:
+            for p in params or ():
+                self.on_param_read(p)
+                if grads:
+                    self.on_grad_read(p)
+            yield
+        finally:
+            region, self._region = self._region, None
+            self.flush_grads()
+            self._let_go(region)
+
+    def _let_go(self, region: _Region) -> None:
+        for index in region.public:
+            chunk = self.runtime.chunks[index]
+            if chunk.exposed:
+                chunk.write_back()
+        self.runtime.cache.release_pins(tuple(region.public))
+        for chunk in region.private:
+            if chunk.state is ChunkState.HOLD:
+                chunk.release()
+        self.runtime.cache.shrink()

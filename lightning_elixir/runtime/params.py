@@ -1,0 +1,110 @@
+"""Chunked parameters: every torch operation on a parameter asks the runtime for its value first.
+
+[Note: reads the hooks do not see]
+Module hooks gather a module's chunks around its own forward and backward. Code that reads a
+parameter anywhere else (``nn.MultiheadAttention`` reading ``out_proj.weight`` in its own
+forward, ``F.linear(h, self.emb.weight)`` in another module, an L2 penalty over
+``self.parameters()`` in ``training_step``, ``grad_norm(self)`` in a callback) would otherwise
+compute with a released placeholder. So the module's parameters become ``ChunkedParameter``: the
+same objects, still ``nn.Parameter``, whose class adds a ``__torch_function__`` that runs before
+any operator, method or attribute read that needs the parameter's values (``.data``,
+``.detach()``, ``F.linear``...). It calls ``runtime.on_param_read``, which returns at once when
+the module that owns the parameter is running (the hooks hold its chunk) and otherwise gathers the
+chunk or raises an error that says how to read it ([Note: reading outside the hooks] in
+runtime.py). Metadata reads (shape, dtype, ``numel()``, ``requires_grad``...) never gather. The
+cost is one Python call per operator on a parameter, a few microseconds.
+
+Teardown turns them back into plain ``nn.Parameter`` objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+_METADATA = frozenset({
+    # attributes
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "is_meta", "is_cuda",
+    "is_cpu", "is_xpu", "is_mps", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names", "itemsize",
+    "nbytes", "_version", "output_nr", "_base", "_cdata", "is_sparse_csr", "_backward_hooks",
+    "_post_accumulate_grad_hooks", "is_inference", "_grad_fn", "_grad",
+    # methods
+    "dim", "size", "numel", "nelement", "stride", "element_size", "is_floating_point", "is_complex",
+    "is_contiguous", "storage_offset", "__hash__", "register_hook", "register_post_accumulate_grad_hook",
+    "requires_grad_", "_is_view", "get_device", "__len__", "ndimension", "is_signed", "has_names",
+    "_is_zerotensor", "is_inference", "untyped_storage", "data_ptr", "__setstate__",
+})
+"""Names of tensor attributes and methods that do not read values (getter and setter alike)."""
+
+_READ, _META, _GRAD = 0, 1, 2
+_kinds: dict[Any, int] = {}
+
+
+def _kind(func: Any) -> int:
+    """Whether ``func`` reads values, only metadata, or the ``.grad`` attribute (cached per function)."""
+    kind = _kinds.get(func)
+    if kind is None:
+        owner = getattr(func, "__self__", None)
+        is_accessor = getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
+        name = getattr(owner, "__name__", "") if is_accessor else getattr(func, "__name__", "")
+        setter = is_accessor and func.__name__ != "__get__"
+        if name == "grad" and not setter:
+            kind = _GRAD
+        elif name in _METADATA or (setter and name in ("data", "grad")):
+            kind = _META
+        else:
+            kind = _READ
+        _kinds[func] = kind
+    return kind
+
+
+class ChunkedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose values live in a chunk; see [Note: reads the hooks do not see]."""
+
+    _elixir_read: Callable[["ChunkedParameter"], None]
+    _elixir_grad: Callable[["ChunkedParameter"], Any]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _kind(func)
+        if kind == _GRAD:
+            return args[0]._elixir_grad(args[0])
+        if kind == _READ:
+            detached_copy = _announce_reads(args, kwargs) and func is torch.Tensor.detach
+        else:
+            detached_copy = False
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+            # A detached view would outlive the chunk's storage (state_dict() snapshots): copy it.
+            return out.clone() if detached_copy else out
+
+
+def _announce_reads(args: tuple, kwargs: dict) -> bool:
+    """Ask the runtime for every chunked parameter among the arguments; True if any was outside its owner."""
+    outside = False
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, ChunkedParameter):
+            outside |= bool(value._elixir_read(value))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, ChunkedParameter):
+                    outside |= bool(item._elixir_read(item))
+    return outside
+
+
+def chunk_parameter(param: nn.Parameter, on_read: Callable, on_grad: Callable) -> None:
+    """Turn ``param`` (in place: same object) into a ChunkedParameter reporting to the runtime."""
+    param.__class__ = ChunkedParameter
+    param._elixir_read = on_read
+    param._elixir_grad = on_grad
+
+
+def unchunk_parameter(param: nn.Parameter) -> None:
+    """Make ``param`` a plain ``nn.Parameter`` again."""
+    if isinstance(param, ChunkedParameter):
+        with torch._C.DisableTorchFunctionSubclass():
+            del param._elixir_read, param._elixir_grad
+            param.__class__ = nn.Parameter
