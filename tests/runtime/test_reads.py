@@ -1,0 +1,182 @@
+"""Reads the hooks do not see, on 2 gloo ranks against DDP: every value is the true one.
+
+Each model is run with one parameter per chunk and the fewest cache blocks (the plan under which
+a read outside the hooks is most likely to meet a released chunk), next to DDP on the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_elixir.plan import CACHE_MIN, ChunkSpec, ElixirPlan, round_up
+from lightning_elixir.runtime.access import OutsideStepError
+from lightning_elixir.runtime.layout import shared_param_names
+from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.params import ChunkedParameter
+from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.runtime.state_dict import full_state_dict
+from tests.distributed import run_distributed
+
+
+def one_param_per_chunk(model: nn.Module, world_size: int) -> ElixirPlan:
+    """ZeRO-3 with every parameter in a chunk of its own (shared ones private)."""
+    shared = shared_param_names(model)
+    chunks = [ChunkSpec((n,), round_up(p.numel(), world_size), private=n in shared) for n, p in model.named_parameters()]
+    return ElixirPlan(chunks=tuple(chunks), world_size=world_size, cache_blocks=CACHE_MIN, prefetch_depth=1)
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention reads out_proj's weight in its own forward, not out_proj's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
+class TiedHead(nn.Module):
+    """A head that reads the embedding's weight from another module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.mix(self.emb(x))))
+        return F.linear(h, self.emb.weight)
+
+
+class Norms(nn.Module):
+    """BatchNorm running statistics: DDP broadcasts rank 0's buffers before each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def _batch(model: nn.Module, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    if isinstance(model, TiedHead):
+        x = torch.randint(16, (4, 6), generator=g)
+        return x, torch.roll(x, 1, dims=1)
+    return torch.randn(4, 6, 8, generator=g) if isinstance(model, Attention) else torch.randn(6, 8, generator=g), None
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y, penalty: bool) -> torch.Tensor:
+    out = model(x)
+    loss = F.cross_entropy(out.reshape(-1, 16), y.reshape(-1)) if y is not None else out.square().mean()
+    if penalty:  # an L2 penalty over every parameter, read outside any module's forward
+        loss = loss + 1e-2 * sum(p.square().sum() for p in model.parameters())
+    return loss
+
+
+def _train(rank: int, model: nn.Module, elixir: bool, penalty: bool, clamp: bool) -> dict:
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, 2)) if elixir else None
+    net = model if elixir else DistributedDataParallel(model)
+    # SGD: attention's key bias has an exactly zero true gradient, which Adam turns into full-size noise
+    opt = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
+    opt = shard_optimizer(runtime, opt) if elixir else opt
+    losses, norms = [], []
+    for step in range(4):
+        x, y = _batch(model, rank, step)
+        with runtime.step_region() if elixir else torch.enable_grad():
+            loss = _loss(net, x, y, penalty)
+        loss.backward()
+        with runtime.gathered() if elixir else torch.enable_grad():  # grad_norm and clipping by hand
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        if elixir:
+            optimizer_step(runtime, opt)
+        else:
+            opt.step()
+        opt.zero_grad()
+        if clamp:  # weight clipping (WGAN): an in-place write through .data, after the step
+            with runtime.gathered() if elixir else torch.no_grad():
+                for p in model.parameters():
+                    p.data.clamp_(-0.3, 0.3)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        x, _ = _batch(model, 1, 99)
+        evaluated = net(x)
+    if elixir:
+        runtime.restore_module()
+    return {"losses": losses, "norms": norms, "eval": evaluated,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "plain": all(type(p) is nn.Parameter for p in model.parameters())}
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], bool, bool]] = {
+    "attention": (Attention, False, False),
+    "tied-head+penalty": (TiedHead, True, False),
+    "batchnorm+clamp": (Norms, False, True),
+}
+
+
+def _compare_all(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, (make, penalty, clamp) in CASES.items():
+        torch.manual_seed(0)
+        base = make()
+        out[name] = {"elixir": _train(rank, copy.deepcopy(base), True, penalty, clamp),
+                     "ddp": _train(rank, copy.deepcopy(base), False, penalty, clamp)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_compare_all, 2)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reads_outside_the_hooks_match_ddp(results, case):
+    for rank in range(2):
+        el, ddp = results[rank][case]["elixir"], results[rank][case]["ddp"]
+        assert el["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+        assert el["norms"] == pytest.approx(ddp["norms"], rel=1e-5)
+        torch.testing.assert_close(el["eval"], ddp["eval"], rtol=1e-5, atol=1e-6)
+        assert el["state"].keys() == ddp["state"].keys()
+        for key, ref in ddp["state"].items():
+            torch.testing.assert_close(el["state"][key], ref, rtol=1e-5, atol=1e-6, msg=f"{case} rank {rank} {key}")
+        assert el["plain"], "restore_module leaves plain nn.Parameter objects"
+
+
+def test_reads_outside_any_region_raise_and_detached_reads_are_copies():
+    torch.manual_seed(0)
+    model = TiedHead()
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, 1))
+    weight = model.mix.weight
+    assert isinstance(weight, ChunkedParameter) and isinstance(weight, nn.Parameter)
+    with pytest.raises(OutsideStepError, match="mix.weight.*gathered_params"):
+        weight.sum()
+    x = torch.randint(16, (2, 6))
+    model(x).sum().backward()
+    with pytest.raises(OutsideStepError, match="gradient of 'mix.weight'"):
+        _ = weight.grad
+    with runtime.gathered():
+        snapshot = model.state_dict()  # detach() outside the owner's forward copies
+        grad = weight.grad.clone()
+    runtime.release_all()
+    assert all(torch.isfinite(v).all() for v in snapshot.values())
+    assert grad.abs().sum() > 0
+    runtime.restore_module()
+    torch.testing.assert_close(model.mix.weight, snapshot["mix.weight"])
+    model(x)  # a plain module again: no hooks, no collectives
