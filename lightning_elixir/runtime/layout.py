@@ -57,6 +57,10 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     such a parameter computes in full precision as a whole.
     """
     named = list(module.named_parameters())
+    unknown = sorted(set(private) - {n for n, _ in named})
+    if unknown:
+        raise PlanError(f"private_params names {unknown[:5]} are not parameters of the model; use names from "
+                        "model.named_parameters(), e.g. {}".format([n for n, _ in named][:3]))
     shared = shared_param_names(module) | set(private)
     if plan.chunks:
         _check_plan_matches(plan, named, world_size, shared)

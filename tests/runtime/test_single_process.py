@@ -249,3 +249,8 @@ def test_lr_scheduler_drives_the_sharded_optimizer():
         for sched in scheds:
             sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.3 ** 4)
+
+
+def test_unknown_private_param_names_are_rejected():
+    with pytest.raises(PlanError, match=r"private_params names \['lm_head.wieght'\] are not parameters"):
+        ElixirRuntime(_gpt(), ElixirPlan(chunk_numel=4096), private_params=["lm_head.wieght"])
