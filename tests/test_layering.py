@@ -29,9 +29,15 @@ def test_plan_imports_nothing_of_the_package_and_no_distributed():
     assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}
 
 
-def test_runtime_imports_only_plan_and_itself():
+def test_runtime_imports_only_plan_schedule_and_itself():
     for name, mods in _package_imports((PACKAGE / "runtime").glob("*.py")).items():
-        assert all(m == "lightning_elixir.plan" or m.startswith("lightning_elixir.runtime") for m in mods), name
+        assert all(m in ("lightning_elixir.plan", "lightning_elixir.schedule") or m.startswith("lightning_elixir.runtime")
+                   for m in mods), name
+
+
+def test_schedule_is_pure():
+    imports = _imports(PACKAGE / "schedule.py")
+    assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}
 
 
 def test_profile_and_search_do_not_import_runtime_or_lightning():

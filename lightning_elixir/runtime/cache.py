@@ -1,6 +1,7 @@
 """The rCache: a bounded set of gathered public chunks, furthest-next-use eviction and prefetch.
 
 [Note: learned access order]
+Eviction and prefetch follow [Note: one cache policy] (schedule.py), as the search's simulation does.
 The order in which modules use chunks is recorded on the first iteration of each kind (a forward
 with grad, i.e. a training micro-batch, or a forward without) and replayed afterwards: eviction
 picks the unpinned chunk whose next use is furthest (Belady), and prefetch gathers the next
@@ -12,14 +13,13 @@ the same kind of iteration, so every rank issues the same collectives in the sam
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Optional
 
 from lightning_elixir.runtime.chunk import Chunk
+from lightning_elixir.schedule import AccessOrder, furthest, prefetch_may_evict
 from lightning_elixir.runtime.states import ChunkState
 
 log = logging.getLogger(__name__)
@@ -27,22 +27,6 @@ log = logging.getLogger(__name__)
 
 class CacheTooSmallError(RuntimeError):
     """More chunks are needed at once than the cache has blocks."""
-
-
-class _Order:
-    """A recorded access sequence with next-use lookups."""
-
-    def __init__(self, sequence: list[tuple[int, ...]]) -> None:
-        self.sequence = sequence
-        self.positions: dict[int, list[int]] = {}
-        for i, ids in enumerate(sequence):
-            for c in ids:
-                self.positions.setdefault(c, []).append(i)
-
-    def next_use(self, chunk_id: int, after: int) -> float:
-        pos = self.positions.get(chunk_id, ())
-        i = bisect.bisect_right(pos, after)
-        return pos[i] if i < len(pos) else math.inf
 
 
 class ChunkCache:
@@ -54,8 +38,8 @@ class ChunkCache:
         self.grow = grow
         self.prefetch_depth = prefetch_depth
         self.gathered: OrderedDict[int, Chunk] = OrderedDict()  # LRU order, most recent last
-        self._orders: dict[object, _Order] = {}
-        self._order: Optional[_Order] = None
+        self._orders: dict[object, AccessOrder] = {}
+        self._order: Optional[AccessOrder] = None
         self._recording: list[tuple[int, ...]] = []
         self._key: object = None
         self._cursor = -1
@@ -74,7 +58,7 @@ class ChunkCache:
 
     def _store_recording(self) -> None:
         if self._recording and self._order is None:
-            self._orders[self._key] = _Order(self._recording)
+            self._orders[self._key] = AccessOrder(self._recording)
 
     # ---- use --------------------------------------------------------------------------------
 
@@ -172,7 +156,8 @@ class ChunkCache:
             return None
         if self._order is None:
             return candidates[0]  # least recently used
-        return max(candidates, key=lambda c: (self._order.next_use(c.index, self._cursor), -c.index))
+        order, cursor = self._order, self._cursor
+        return self.chunks[furthest((c.index for c in candidates), lambda c: order.next_use(c, cursor))]
 
     def _evict(self, chunk: Chunk) -> None:
         if chunk.state is ChunkState.GATHERING:
@@ -188,22 +173,15 @@ class ChunkCache:
         for chunk_id, use in self._upcoming():
             if len(self.gathered) >= self.capacity:
                 victim = self._victim(protect=())
-                if victim is None or self._order.next_use(victim.index, self._cursor) <= use:
+                if victim is None or not prefetch_may_evict(self._order.next_use(victim.index, self._cursor), use):
                     return
                 self._evict(victim)
             self._gather(self.chunks[chunk_id], async_op=True)
 
     def _upcoming(self) -> list[tuple[int, int]]:
         """The next ``prefetch_depth`` distinct chunks of the order that are not gathered, with their use."""
-        found: dict[int, int] = {}
-        sequence = self._order.sequence
-        for pos in range(self._cursor + 1, len(sequence)):
-            for c in sequence[pos]:
-                if c not in found and self.chunks[c].state is ChunkState.FREE:
-                    found[c] = pos
-                    if len(found) == self.prefetch_depth:
-                        return list(found.items())
-        return list(found.items())
+        return self._order.upcoming(self._cursor, self.prefetch_depth,
+                                    lambda c: self.chunks[c].state is ChunkState.FREE)
 
     # ---- step boundary ----------------------------------------------------------------------
 

@@ -1,5 +1,8 @@
 """Cache simulation: replay the profiled access sequence against a cache of chunk-sized blocks.
 
+Eviction and prefetch decisions come from schedule.py ([Note: one cache policy]), which the
+runtime's cache uses too; the uncached chunks waiting for prefetch are kept in a heap ordered as
+``AccessOrder.upcoming`` orders them (next use, then index), for speed on long sequences.
 The runtime follows exactly these rules, so the gather counts here are what it will do:
 
 - A step is ``micro_batches`` replays of the access sequence. The cache starts empty (the optimizer
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 from typing import Union
 
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError
+from lightning_elixir.schedule import NEVER, furthest, prefetch_may_evict
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout, access_chunks, layout_from_plan
 from lightning_elixir.search.options import dtype_bytes
 
-NEVER = 1 << 62  # "no next use": further than any position
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,7 @@ class _Cache:
 
     def victim(self, pinned: tuple[int, ...]) -> int | None:
         """The unpinned cached chunk used furthest in the future (ties: lower index)."""
-        free = [c for c in self.cached if c not in pinned]
-        return max(free, key=lambda c: (self.next_use[c], -c)) if free else None
+        return furthest((c for c in self.cached if c not in pinned), self.next_use.__getitem__)
 
     def evict(self, c: int) -> None:
         """Drop ``c`` from the cache; it waits to be gathered again."""
@@ -148,7 +150,7 @@ class _Cache:
                 continue
             if len(self.cached) >= self.blocks:
                 v = self.victim(pinned)
-                if v is None or self.next_use[v] <= use:
+                if v is None or not prefetch_may_evict(self.next_use[v], use):
                     heapq.heappush(self.waiting, (use, c))
                     break
                 self.evict(v)
