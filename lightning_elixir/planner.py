@@ -1,23 +1,39 @@
 """plan="auto": profile the model and the machine, then search, before the model is chunked.
 
-The strategy calls ``plan_automatically`` from its ``setup``; the planning callback will take this
+The strategy calls ``plan_for_trainer`` from its ``setup``; the planning callback will take this
 over (and log the report and memory timelines). Every rank profiles (the hardware benchmarks are
 collective) and searches; rank 0's plan is broadcast so that all ranks run the same one even if
 their measurements differ in the last digit.
+
+Planning follows the stage the trainer runs ([Note: planning per stage]) and changes nothing the
+run sees: the module's state and the global random generators are put back afterwards. When the
+step cannot be traced on fake tensors, planning falls back to ``FALLBACK_PLAN`` with one warning.
+
+[Note: planning per stage]
+``trainer.fit`` plans from one batch of the training dataloader through ``training_step`` (forward
+and backward); ``validate``, ``test`` and ``predict`` without a prior fit plan from one batch of
+their own dataloader through their own step, forward only (no backward accesses, one
+micro-batch). A module that has no ``train_dataloader`` can therefore be validated. The batch
+comes from a fresh iterator of the stage's dataloader, as the loop will build it (the loop
+itself has not set up its data yet); creating that iterator draws from the global generator (the
+sampler's shuffle, the workers' base seed), which ``preserved_rng`` puts back.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_elixir.plan import ElixirPlan
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan
 from lightning_elixir.profile import profile_hardware, profile_model
+from lightning_elixir.profile.fake import StepFn, lightning_step, preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.collectives import Group
@@ -27,6 +43,12 @@ log = logging.getLogger(__name__)
 
 MemoryLimit = Union[int, float, str, None]
 
+FALLBACK_PLAN = ElixirPlan(cache_blocks=CACHE_ALL, name="auto-fallback")
+"""The plan used when the step cannot be traced: the runtime's default packing in
+``named_parameters()`` order, every chunk kept gathered within a step (ZeRO-2). It needs no model
+profile; it needs the most parameter memory of the sharded plans, so a model that does not fit it
+needs ``plan="zero3"`` or an explicit plan."""
+
 
 @dataclass(frozen=True)
 class PlanningResult:
@@ -34,23 +56,88 @@ class PlanningResult:
 
     plan: ElixirPlan
     """The plan every rank runs (rank 0's)."""
-    report: SearchReport
-    """Rank 0's search report: top candidates, cost breakdown, lower bound."""
-    model_profile: ModelProfile
-    """The profile the search planned from."""
+    report: Optional[SearchReport]
+    """Rank 0's search report: top candidates, cost breakdown, lower bound. None after a fallback."""
+    model_profile: Optional[ModelProfile]
+    """The profile the search planned from. None after a fallback."""
     hardware_profile: HardwareProfile
     """The measured (or cached, or user-given) machine."""
     budget_bytes: int
     """Device memory per rank the search planned for."""
+    fallback_reason: Optional[str] = None
+    """Why the step could not be traced (on the first rank that failed) so that every rank runs
+    ``FALLBACK_PLAN``; None when planning searched."""
 
 
-def first_batch(trainer: Any) -> Any:
-    """One batch of the training data (the profile needs its shapes)."""
-    loader = trainer.fit_loop._data_source.dataloader()
-    try:
-        return next(iter(loader))
-    except StopIteration as err:
-        raise ValueError("the training dataloader is empty; plan='auto' profiles one batch of it") from err
+@dataclass(frozen=True)
+class StageStep:
+    """What plan="auto" profiles for one trainer stage ([Note: planning per stage])."""
+
+    stage: str
+    """"fit", "validate", "test" or "predict" (``trainer.state.fn``)."""
+    loop: str
+    """The trainer attribute of the stage's loop, whose ``_data_source`` gives its dataloader."""
+    hook: str
+    """The LightningModule step the loop runs."""
+    backward: bool
+    """Whether the step has a backward (only training has)."""
+
+
+STAGES: Mapping[str, StageStep] = {
+    "fit": StageStep("fit", "fit_loop", "training_step", backward=True),
+    "validate": StageStep("validate", "validate_loop", "validation_step", backward=False),
+    "test": StageStep("test", "test_loop", "test_step", backward=False),
+    "predict": StageStep("predict", "predict_loop", "predict_step", backward=False),
+}
+
+
+@dataclass(frozen=True)
+class StageBatch:
+    """One batch of the running stage's own data, and the step to profile it with."""
+
+    step: StageStep
+    batch: Any
+    """As the stage's dataloader yields it (a structure of batches for several training loaders)."""
+    dataloader_idx: Optional[int]
+    """0 when the (evaluation) stage has several dataloaders, as Lightning passes it only then."""
+
+    @property
+    def step_fn(self) -> StepFn:
+        """``step_fn(module, batch)`` calling the stage's hook as the loop does for batch 0."""
+        return lightning_step(self.step.hook, self.dataloader_idx)
+
+
+def stage_of(trainer: Any) -> StageStep:
+    """The StageStep for ``trainer.state.fn`` (fitting when the trainer does not say)."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    name = str(getattr(fn, "value", fn) or "fit")
+    if name not in STAGES:
+        raise ValueError(f"plan='auto' plans for {sorted(STAGES)}, not trainer stage {name!r}")
+    return STAGES[name]
+
+
+def stage_batch(trainer: Any, step: Optional[StageStep] = None) -> StageBatch:
+    """One batch of the stage's own dataloader, from a fresh iterator (see [Note: planning per stage]).
+
+    Args:
+        trainer: The Trainer, with its data attached (as in ``Strategy.setup``).
+        step: The stage to read; default: the one the trainer runs.
+
+    Raises:
+        ValueError: If the stage has no dataloader, or it is empty.
+    """
+    step = step or stage_of(trainer)
+    source = getattr(trainer, step.loop)._data_source
+    if source.instance is None or not source.is_defined():
+        raise ValueError(f"there is no {source.name}() to take a batch from for the {step.stage} stage")
+    loaders = source.dataloader()
+    loaders = getattr(loaders, "iterables", loaders)  # a CombinedLoader: the loaders it combines
+    if step.backward:  # training draws from every loader at once (Lightning's "max_size_cycle")
+        return StageBatch(step, _apply(loaders, lambda loader: _first(loader, step)), None)
+    flat = _flatten(loaders)
+    if not flat:
+        raise ValueError(f"{source.name}() returned no dataloader for the {step.stage} stage")
+    return StageBatch(step, _first(flat[0], step), 0 if len(flat) > 1 else None)
 
 
 def device_total_bytes(device: torch.device, local_world_size: int) -> int:
@@ -83,16 +170,99 @@ def measure_hardware(device: torch.device, group: Group, compute_dtype: torch.dt
 def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.device, group: Group,
                        compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
                        memory_limit: MemoryLimit = None, local_world_size: int = 1,
-                       hardware: Optional[Union[HardwareProfile, str]] = None) -> PlanningResult:
-    """Profile, search and agree on a plan. Call on every rank."""
-    hw = measure_hardware(device, group, compute_dtype, hardware)
-    profile = profile_model(module, batch, compute_dtype=autocast_dtype or compute_dtype, hardware=hw,
-                            device=device, param_dtype=compute_dtype)
-    budget = budget_bytes(device, memory_limit, local_world_size)
-    options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype)
-    plan, report = search(profile, hw, budget, options)
-    plan = _agree(plan, group)
-    return PlanningResult(plan, report, profile, hw, budget)
+                       hardware: Optional[Union[HardwareProfile, str]] = None, step_fn: Optional[StepFn] = None,
+                       backward: bool = True) -> PlanningResult:
+    """Profile one step of ``module`` on ``batch``, search and agree on a plan. Call on every rank.
+
+    Args:
+        module: The model (a LightningModule or plain module); left unchanged.
+        batch: One batch as the step takes it.
+        device: The device the run uses.
+        group: The process group the plan is for (its world size) and agreed on.
+        compute_dtype: The dtype the runtime's chunks hold.
+        autocast_dtype: The autocast dtype of ``*-mixed`` precision, else None.
+        micro_batches: Steps per optimizer step (gradient accumulation).
+        memory_limit: The device memory budget: bytes, "40GiB", or a fraction. Default: all of it.
+        local_world_size: Processes on this machine (they share host memory on the CPU).
+        hardware: A HardwareProfile or its JSON path; default: measured on ``group``.
+        step_fn: ``step_fn(module, batch)``; default: ``profile_model``'s.
+        backward: False for a forward-only step.
+
+    Returns:
+        The plan and how it was found. When the step cannot be traced, ``FALLBACK_PLAN`` with a
+        warning (``fallback_reason`` says why); searching itself may raise ``NoPlanFitsError``.
+    """
+    def trace(**settings: Any) -> ModelProfile:
+        return profile_model(module, batch, step_fn, backward=backward, **settings)
+
+    return _plan(trace, "the step", device=device, group=group, compute_dtype=compute_dtype,
+                 autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
+                 local_world_size=local_world_size, hardware=hardware)
+
+
+def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
+                     compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
+                     memory_limit: MemoryLimit = None, local_world_size: int = 1,
+                     hardware: Optional[Union[HardwareProfile, str]] = None) -> PlanningResult:
+    """``plan_automatically`` for the stage ``trainer`` runs, on a batch of that stage's data.
+
+    See [Note: planning per stage]. Taking the batch is part of the trace: a stage without data
+    falls back like a step that cannot be traced. Arguments as for ``plan_automatically``; the
+    micro-batches are the trainer's ``accumulate_grad_batches`` when fitting, else 1.
+    """
+    step = stage_of(trainer)
+
+    def trace(**settings: Any) -> ModelProfile:
+        data = stage_batch(trainer, step)
+        return profile_model(module, data.batch, data.step_fn, backward=step.backward, **settings)
+
+    micro_batches = trainer.accumulate_grad_batches if step.backward else 1
+    return _plan(trace, step.hook, device=device, group=group, compute_dtype=compute_dtype,
+                 autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
+                 local_world_size=local_world_size, hardware=hardware)
+
+
+def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device, group: Group,
+          compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
+          memory_limit: MemoryLimit, local_world_size: int,
+          hardware: Optional[Union[HardwareProfile, str]]) -> PlanningResult:
+    """Measure, trace (or fall back), search, agree; with the random generators put back after."""
+    with preserved_rng(cuda=device.type == "cuda"):
+        hw = measure_hardware(device, group, compute_dtype, hardware)  # collective: before anything may fail
+        budget = budget_bytes(device, memory_limit, local_world_size)
+        try:
+            profile = trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw, device=device,
+                            param_dtype=compute_dtype)
+            reason = None
+        except Exception as err:  # noqa: BLE001 (any failure on fake tensors: the real run will show real ones)
+            log.debug("plan='auto' could not trace %s", what, exc_info=err)
+            profile, reason = None, f"{type(err).__name__}: {err}"
+        reason = _first_failure(reason, group)  # every rank falls back, or none: they must run one plan
+        if reason is not None:
+            _warn_fallback(what, reason)
+            return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason)
+        options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype)
+        plan, report = search(profile, hw, budget, options)
+        return PlanningResult(_agree(plan, group), report, profile, hw, budget)
+
+
+def _first_failure(reason: Optional[str], group: Group) -> Optional[str]:
+    """The first rank's reason for not tracing, on every rank; None when every rank traced."""
+    if group.world_size == 1:
+        return reason
+    reasons: list[Optional[str]] = [None] * group.world_size
+    dist.all_gather_object(reasons, reason, group=group.pg)
+    return next((f"rank {rank}: {r}" for rank, r in enumerate(reasons) if r is not None), None)
+
+
+def _warn_fallback(what: str, reason: str) -> None:
+    """Warn once (rank 0) that the step could not be traced and which plan runs instead."""
+    rank_zero_warn(
+        f"plan='auto' could not profile {what} on fake tensors ({reason}). Running the fallback plan instead: "
+        f"default chunks, every chunk gathered for the whole step (cache_blocks='all', like plan='zero2'), no "
+        f"search. If memory is tight pass plan='zero3'; to plan this model, pass an ElixirPlan or profile it "
+        f"yourself with lightning_elixir.profile.profile_model(module, batch, step_fn=...)."
+    )
 
 
 def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
@@ -115,3 +285,32 @@ def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:
     box = [plan.to_json()]
     dist.broadcast_object_list(box, src=0, group=group.pg)
     return ElixirPlan.from_json(box[0])
+
+
+def _first(loader: Any, step: StageStep) -> Any:
+    """The first batch of a fresh iterator of ``loader``."""
+    iterator = iter(loader)
+    try:
+        return next(iterator)
+    except StopIteration as err:
+        raise ValueError(f"the {step.stage} dataloader is empty; plan='auto' profiles one batch of it") from err
+    finally:
+        del iterator  # shuts down its worker processes, if any
+
+
+def _apply(loaders: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` on every loader of a (possibly nested) list, tuple or dict of loaders."""
+    if isinstance(loaders, Mapping):
+        return {key: _apply(value, fn) for key, value in loaders.items()}
+    if isinstance(loaders, (list, tuple)):
+        return type(loaders)(_apply(value, fn) for value in loaders)
+    return fn(loaders)
+
+
+def _flatten(loaders: Any) -> list[Any]:
+    """The loaders of a (possibly nested) list, tuple or dict, in order."""
+    if isinstance(loaders, Mapping):
+        return [x for value in loaders.values() for x in _flatten(value)]
+    if isinstance(loaders, (list, tuple)):
+        return [x for value in loaders for x in _flatten(value)]
+    return [loaders]

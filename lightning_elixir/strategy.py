@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
-from lightning_elixir.planner import PlanningResult, first_batch, plan_automatically
+from lightning_elixir.planner import PlanningResult, plan_for_trainer
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
@@ -264,12 +264,14 @@ class ElixirStrategy(ParallelStrategy):
         if isinstance(self.plan, ElixirPlan):
             return self.plan
         precision = self.precision_plugin
-        self.planning = plan_automatically(
-            self.model, first_batch(trainer), device=self.root_device, group=Group.default(),
+        # plans for the stage being run (fit, validate, test, predict), from that stage's own data
+        self.planning = plan_for_trainer(
+            self.model, trainer, device=self.root_device, group=Group.default(),
             compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
-            micro_batches=trainer.accumulate_grad_batches, memory_limit=self.device_memory_limit,
-            local_world_size=self.num_processes, hardware=self.hardware_profile)
-        rank_zero_info(self.planning.report.summary())
+            memory_limit=self.device_memory_limit, local_world_size=self.num_processes,
+            hardware=self.hardware_profile)
+        if self.planning.report is not None:  # None: the step could not be traced and planning warned why
+            rank_zero_info(self.planning.report.summary())
         return self.planning.plan
 
     @override

@@ -32,8 +32,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_elixir.profile.types import ProfileError
@@ -197,7 +198,8 @@ class AssumedValues(TorchDispatchMode):
     ``torch.tensor(3)``) and answers only what it cannot, under the assumption that the step
     sees ordinary data: every value is finite.
 
-    - Host reads. A tensor whose elements all have a known value is read as that value. Values are
+    - Host reads. A real tensor (a plain attribute of the module) is read for real. A fake tensor
+      whose elements all have a known value is read as that value. Values are
       known from ``isnan``/``isinf`` (False), ``isfinite`` and ``x == x`` (True), comparisons with
       non-finite scalars, and propagate through logical operators, comparisons, reductions such
       as ``any``/``all``/``sum``, views and dtype casts. So ``if torch.isnan(loss)`` takes the
@@ -214,7 +216,7 @@ class AssumedValues(TorchDispatchMode):
       go to a fake copy: with only real inputs FakeTensorMode would run the operator for real and
       change the user's tensor.
 
-    ``.numpy()`` and ``.tolist()`` of fake tensors return the same assumed values (see
+    ``.numpy()``, ``.tolist()`` and ``format`` of fake tensors give the same assumed values (see
     ``host_conversions``). An operator not listed here still raises, and the caller falls back.
     """
 
@@ -227,12 +229,18 @@ class AssumedValues(TorchDispatchMode):
         kwargs = kwargs or {}
         if func._schema.is_mutable:
             args, kwargs = tree_map_only(torch.Tensor, self._fake_if_real, (args, kwargs))
+            for t in tree_leaves((args, kwargs)):  # written in place: what was known may no longer hold
+                if isinstance(t, torch.Tensor):
+                    self.known.pop(t, None)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
             read = _READS.get(func)
             if read is None:
                 raise
+            if not any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
+                with no_dispatch():  # a real tensor (a plain attribute of the module): read its real value
+                    return func(*args, **kwargs)
             return read(self, *args)
         except DynamicOutputShapeException:
             bound = _BOUNDS.get(func.overloadpacket)
@@ -263,13 +271,18 @@ class AssumedValues(TorchDispatchMode):
 
 @contextlib.contextmanager
 def host_conversions(values: AssumedValues) -> Iterator[None]:
-    """``.numpy()`` (so ``np.asarray``) and ``.tolist()`` of fake tensors, with the assumed values.
+    """``.numpy()`` (so ``np.asarray``), ``.tolist()`` and ``f"{loss:.3f}"`` of fake tensors, with the assumed values.
 
-    Both are C methods that refuse tensor subclasses or read element by element; validation and
-    prediction steps often end in ``preds.cpu().numpy()`` for scikit-learn. For the duration of the
-    trace FakeTensor gets methods that build the arrays from ``values`` (restored after).
+    ``numpy`` refuses tensor subclasses, ``tolist`` reads element by element and ``format`` treats
+    only plain tensors as numbers; validation and prediction steps often end in
+    ``preds.cpu().numpy()`` for scikit-learn. For the duration of the trace FakeTensor gets methods
+    that answer from ``values`` (restored after).
     """
-    patched = {"numpy": lambda t, *_, **__: _as_array(values, t), "tolist": lambda t: _as_array(values, t).tolist()}
+    patched = {
+        "numpy": lambda t, *_, **__: _as_array(values, t),
+        "tolist": lambda t: _as_array(values, t).tolist(),
+        "__format__": lambda t, spec: format(values.value(t), spec) if t.dim() == 0 else object.__format__(t, spec),
+    }
     saved = {name: FakeTensor.__dict__[name] for name in patched if name in FakeTensor.__dict__}
     for name, fn in patched.items():
         setattr(FakeTensor, name, fn)
@@ -304,7 +317,7 @@ class StepStandIns:
         self.module = module
         self.backward = backward
         self.backward_calls = 0
-        self._configured: tuple[list[Any], list[Any]] | None = None
+        self._configured: tuple[list[_StandInOptimizer], list[_StandInScheduler]] | None = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -322,23 +335,23 @@ class StepStandIns:
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """Like ``LightningModule.optimizers``: one optimizer, or a list of several."""
-        optimizers = [_StandInOptimizer(opt) for opt in self._configure()[0]] or [_StandInOptimizer(None)]
-        return optimizers[0] if len(optimizers) == 1 else optimizers
+        optimizers = self._configure()[0]
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
 
     def lr_schedulers(self) -> Any:
         """Like ``LightningModule.lr_schedulers``: None, one scheduler, or a list of several."""
-        schedulers = [_StandInScheduler(s) for s in self._configure()[1]]
+        schedulers = self._configure()[1]
         if not schedulers:
             return None
-        return schedulers[0] if len(schedulers) == 1 else schedulers
+        return schedulers[0] if len(schedulers) == 1 else list(schedulers)
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The traced backward of ``loss``."""
         self.backward_calls += 1
         self.backward(loss, *args, **kwargs)
 
-    def _configure(self) -> tuple[list[Any], list[Any]]:
-        """The optimizers and schedulers ``configure_optimizers()`` returns (called once)."""
+    def _configure(self) -> tuple[list[_StandInOptimizer], list[_StandInScheduler]]:
+        """Stand-ins for what ``configure_optimizers()`` returns (called once; at least one optimizer)."""
         if self._configured is None:
             configure = getattr(self.module, "configure_optimizers", None)
             with _disable_current_modes():  # the user's setup code is not part of the step
@@ -346,7 +359,8 @@ class StepStandIns:
             optimizers: list[Any] = []
             schedulers: list[Any] = []
             _collect_optimizers(out, optimizers, schedulers)
-            self._configured = optimizers, schedulers
+            self._configured = ([_StandInOptimizer(opt) for opt in optimizers] or [_StandInOptimizer(None)],
+                                [_StandInScheduler(s) for s in schedulers])
         return self._configured
 
 
@@ -386,9 +400,10 @@ class _StandInOptimizer:
         return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
-        if self.optimizer is None:
+        optimizer = self.__dict__.get("optimizer")  # not self.optimizer: no recursion before __init__ sets it
+        if optimizer is None:
             raise AttributeError(f"configure_optimizers returned no optimizer, so it has no {name!r}")
-        return getattr(self.optimizer, name)
+        return getattr(optimizer, name)
 
 
 class _StandInScheduler:
@@ -401,7 +416,9 @@ class _StandInScheduler:
         """Nothing: the learning rate must not move at planning time."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
+        if "scheduler" not in self.__dict__:  # not yet set (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.__dict__["scheduler"], name)
 
 
 def _collect_optimizers(out: Any, optimizers: list[Any], schedulers: list[Any]) -> None:
