@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Optional
 
@@ -42,6 +43,21 @@ log = logging.getLogger(__name__)
 
 _HOW = ("read it inside `with trainer.strategy.gathered_params():` (entered on every rank; ElixirRuntime.gathered() "
         "without the Trainer), or after fit, when the module has its full parameters back")
+
+
+def _called_from_module_zero_grad() -> bool:
+    """Whether ``nn.Module.zero_grad`` is reading ``.grad`` (a few frames up: the hook, ``__torch_function__``)."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code is _ZERO_GRAD_CODE:
+            return True
+    return False
+
+
+_ZERO_GRAD_CODE = nn.Module.zero_grad.__code__
 
 
 class OutsideStepError(RuntimeError):
@@ -106,6 +122,9 @@ class AccessGuard:
         if not self.runtime.grad_valid(chunk):
             return None
         if not self.in_region():
+            if _called_from_module_zero_grad():  # Lightning zeroes before validation; the reads only test for None
+                self.runtime.forget_grad(param)
+                return None
             raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
                                    f"(reduce-scattered into shards); {_HOW}")
         full = self.full_grads.get(chunk.index)

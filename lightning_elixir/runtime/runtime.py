@@ -305,6 +305,15 @@ class ElixirRuntime:
                 begin, end = chunk.shard_range(slot)
                 view.grad = chunk.grad_shard[begin:end]
 
+    def forget_grad(self, param: nn.Parameter) -> None:
+        """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
+        chunk, slot = self._where[id(param)]
+        begin, end = chunk.shard_range(slot)
+        chunk.grad_shard[begin:end].zero_()
+        view = self._views.get(id(param))
+        if view is not None:
+            view.grad = None
+
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the optimizer's own zero_grad does the same through views)."""
         self._grad_valid = {c.index: False for c in self.chunks}

@@ -180,3 +180,17 @@ def test_reads_outside_any_region_raise_and_detached_reads_are_copies():
     runtime.restore_module()
     torch.testing.assert_close(model.mix.weight, snapshot["mix.weight"])
     model(x)  # a plain module again: no hooks, no collectives
+
+
+def test_module_zero_grad_clears_the_sharded_gradients():
+    torch.manual_seed(0)
+    model = TiedHead()
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, 1))
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randint(16, (2, 6))).sum().backward()
+    model.mix.zero_grad()  # as LightningModule.on_validation_model_zero_grad does for the whole module
+    with runtime.gathered():
+        assert model.mix.weight.grad is None or not model.mix.weight.grad.any()
+        assert model.norm.weight.grad.abs().sum() > 0
+    views = {id(v): v for g in opt.param_groups for v in g["params"]}
+    assert sum(v.grad is not None for v in views.values()) == len(views) - 2
