@@ -1,0 +1,1155 @@
+"""The catalog: small, ordinary LightningModules as a user would train them with strategy="ddp".
+
+Each ``Case`` names a module factory, its data, what the run does (fit by default; validate, test,
+predict, a second Trainer, ...) and the tolerance its comparison with DDP uses. The harness calls
+``case.module()`` right after ``L.seed_everything(case.seed)`` and then ``case.run(ctx)`` with a
+``Ctx`` (see harness.py) that builds Trainers with the strategy under test and records losses per
+step, logged metrics and final weights. ``ctx.extras`` takes anything else a case wants compared
+per rank (validation results, predictions, EMA weights, ...).
+
+Data never comes from the global RNG (fixed ``torch.Generator`` seeds), so the only global-RNG
+consumers are the modules themselves (init, dropout, noise) and both strategies see the same
+sequence. 32 samples, batch 4, 2 ranks: 4 optimizer steps per epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import grad_norm
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+# ---------------------------------------------------------------------------------------------------------------------
+# case description
+
+
+@dataclass(frozen=True)
+class Tol:
+    """How close a result must be to DDP's.
+
+    fp32 default: relative 1e-5 on losses and logged values (absolute floor 1e-7 for values near
+    zero), and on weights elementwise with an absolute floor of 1e-6 (1e-5 of a typical weight of
+    0.1, for elements that sit near zero). Elixir keeps DDP's arithmetic (64-element aligned
+    parameters, a two-rank sum is exact), so anything beyond rounding noise is a real difference.
+    """
+
+    loss: float = 1e-5
+    """Relative tolerance of losses per step and of logged values (metrics, grad norms, lrs)."""
+    weight_rtol: float = 1e-5
+    weight_atol: float = 1e-6
+    update: Optional[float] = None
+    """If set (bf16): compare each parameter's update (final - initial) norm-wise with this relative
+    tolerance, ||dW_elixir - dW_ddp|| <= update * ||dW_ddp||, instead of the weights elementwise."""
+    why: str = "fp32, same summation order as DDP"
+
+
+BF16 = Tol(loss=2e-2, weight_rtol=2e-2, weight_atol=1e-2, update=5e-2, why=(
+    "bf16-mixed: bf16 keeps 8 mantissa bits (rounding 2^-9 = 2e-3 per op); DDP runs fp32 weights under "
+    "autocast while Elixir gathers bf16 compute copies, so ops outside autocast's lists (bias adds, norms, "
+    "BatchNorm on bf16 inputs) round differently and a few steps compound that to ~1e-2 on losses. Weights "
+    "are compared by their update (final - initial), norm-wise within 5%: initial weights dominate the "
+    "values, so an elementwise check would hide a wrong update. SGD only: Adam would turn bf16 rounding "
+    "noise in small gradients into lr-sized steps."))
+
+
+ADAM_NEAR_ZERO = Tol(weight_atol=5e-6, why=(
+    "AdamW divides each update by the root of the squared-gradient average, so an element whose gradient "
+    "is near zero turns a 1-ulp gradient difference into a visible step. Elixir's hooks put identity nodes "
+    "on module inputs, which can change the order in which autograd adds a tensor's gradient contributions: "
+    "measured on the tiny Llama, losses are equal at every step and 2 of 1024 q_proj elements differ by "
+    "2.6e-6 after the last step (swapping two samples inside a batch, a no-op mathematically, moves them by "
+    "2.2e-6 under DDP itself). The elementwise floor is raised to 5e-6; the relative tolerance stays 1e-5."))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    module: Callable[[], L.LightningModule]
+    """Builds the module; called right after ``L.seed_everything(seed)``."""
+    data: Callable[[], dict[str, DataLoader]]
+    """Loaders by role: "train", "val", "test", "predict"."""
+    run: Callable[[Any], None] = None  # type: ignore[assignment]
+    """What the run does with ``ctx`` (see harness.Ctx); default: ``fit``."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """Trainer kwargs on top of the harness's defaults."""
+    ddp: dict[str, Any] = field(default_factory=dict)
+    """DDPStrategy kwargs (e.g. find_unused_parameters=True where plain DDP would refuse the module)."""
+    tol: Tol = Tol()
+    trains: bool = True
+    """Whether the run changes trainable weights (the DDP sanity test checks either way)."""
+    requires: Optional[str] = None
+    """A module that must be importable (the test skips otherwise)."""
+    ddp_check: Optional[Callable[[list[dict]], None]] = None
+    """An extra assertion on DDP's results (per-rank list): that the case exercises what it claims."""
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            object.__setattr__(self, "run", fit)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# data (fixed generators: independent of the global RNG)
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def loader(ds: Dataset, batch_size: int = 4, shuffle: bool = False, **kwargs: Any) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, **kwargs)
+
+
+def cls_set(n: int = 32, d: int = 8, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = _g(seed)
+    x = torch.randn(n, d, generator=g)
+    y = (x @ torch.randn(d, classes, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def seq_set(n: int = 32, t: int = 6, d: int = 8, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = _g(seed)
+    x = torch.randn(n, t, d, generator=g)
+    y = (x.mean(1) @ torch.randn(d, classes, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def image_set(n: int = 32, c: int = 3, hw: int = 8, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = _g(seed)
+    x = torch.randn(n, c, hw, hw, generator=g) * 2 + 0.5
+    y = (x.mean((2, 3)) @ torch.randn(c, classes, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def token_set(n: int = 32, t: int = 16, vocab: int = 64, seed: int = 0) -> TensorDataset:
+    """Sequences from a fixed random bigram table; (input, next-token target)."""
+    g = _g(seed)
+    table = torch.randint(vocab, (vocab, 2), generator=g)
+    seq = torch.empty(n, t + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(vocab, (n,), generator=g)
+    for i in range(t):
+        pick = torch.randint(2, (n,), generator=g)
+        seq[:, i + 1] = table[seq[:, i], pick]
+    return TensorDataset(seq[:, :-1].clone(), seq[:, 1:].clone())
+
+
+def cls_data(**kw: Any) -> dict[str, DataLoader]:
+    return dict(train=loader(cls_set(seed=0, **kw)), val=loader(cls_set(seed=1, **kw)))
+
+
+def seq_data() -> dict[str, DataLoader]:
+    return dict(train=loader(seq_set(seed=0)), val=loader(seq_set(seed=1)))
+
+
+def image_data() -> dict[str, DataLoader]:
+    return dict(train=loader(image_set(seed=0)), val=loader(image_set(seed=1)))
+
+
+def token_data() -> dict[str, DataLoader]:
+    return dict(train=loader(token_set(seed=0)), val=loader(token_set(seed=1)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# runs (ctx: harness.Ctx)
+
+
+def fit(ctx: Any) -> None:
+    ctx.trainer().fit(ctx.model, ctx.data["train"], ctx.data.get("val"))
+
+
+def fit_then_validate(ctx: Any) -> None:
+    """Fit, then validate with the same Trainer: evaluation after training, per rank."""
+    fit(ctx)
+    ctx.extras["validate"] = ctx.trainers[-1].validate(ctx.model, ctx.data["val"], verbose=False)
+
+
+def validate_only(ctx: Any) -> None:
+    ctx.extras["validate"] = ctx.trainer().validate(ctx.model, ctx.data["val"], verbose=False)
+
+
+def run_test_only(ctx: Any) -> None:
+    ctx.extras["test"] = ctx.trainer().test(ctx.model, ctx.data["test"], verbose=False)
+
+
+def predict_only(ctx: Any) -> None:
+    out = ctx.trainer().predict(ctx.model, ctx.data["predict"])
+    ctx.extras["predictions"] = torch.cat([o.detach().float() for o in out])
+
+
+def second_trainer(ctx: Any) -> None:
+    """Fit, then a fresh Trainer (and strategy) on the same module: fit again, then validate."""
+    ctx.trainer(max_steps=2).fit(ctx.model, ctx.data["train"])
+    second = ctx.trainer()
+    second.fit(ctx.model, ctx.data["train"], ctx.data["val"])
+    ctx.extras["validate"] = second.validate(ctx.model, ctx.data["val"], verbose=False)
+
+
+def state_dict_after_fit(ctx: Any) -> None:
+    """What a user does after trainer.fit: model.state_dict() on every rank (e.g. to save it)."""
+    fit(ctx)
+    ctx.extras["module_state"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
+
+
+def forward_one_rank_after_fit(ctx: Any) -> None:
+    """After fit, rank 0 alone runs the model (e.g. a sample at the end of a script); rank 1 does not."""
+    fit(ctx)
+    if ctx.rank == 0:
+        x = ctx.data["val"].dataset.tensors[0][:4]
+        ctx.model.eval()
+        with torch.no_grad():
+            ctx.extras["forward"] = ctx.model(x).detach().clone()
+
+
+def fit_with(*callbacks: Callable[[], Callback],
+             keep: Optional[Callable[[list[Callback]], dict]] = None) -> Callable[[Any], None]:
+    """Fit with fresh instances of these callbacks; ``keep`` turns them into extras after fit."""
+
+    def run(ctx: Any) -> None:
+        cbs = [make() for make in callbacks]
+        ctx.trainer(callbacks=cbs).fit(ctx.model, ctx.data["train"], ctx.data.get("val"))
+        if keep is not None:
+            ctx.extras.update(keep(cbs))
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# base modules
+
+
+class Classifier(L.LightningModule):
+    """x: (B, ...) float, y: class in [0, 4). Subclasses set ``self.net`` or override ``forward``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class TokenLM(L.LightningModule):
+    """x, y: (B, T) token ids; next-token cross entropy."""
+
+    vocab = 64
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).reshape(-1, self.vocab), y.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def mlp(*sizes: int, act: Callable[[], nn.Module] = nn.ReLU) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# architectures
+
+
+class SequentialMLP(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 32, 32, 4)
+
+
+class MHAModel(Classifier):
+    """nn.MultiheadAttention: its forward reads ``out_proj.weight``/``bias`` itself (F.multi_head_attention_forward),
+    the ``out_proj`` module is never called; in eval without grad it takes the fused fast path."""
+
+    def __init__(self, variant: str = "self") -> None:
+        super().__init__()
+        self.variant = variant
+        self.inp = nn.Linear(8, 16)
+        kv = dict(kdim=8, vdim=8) if variant == "cross" else {}
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True, **kv)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.variant == "cross":  # separate q/k/v projection weights
+            a, _ = self.attn(h, x, x, need_weights=False)
+        elif self.variant == "padding":
+            pad = x[..., 0] > 0.8
+            pad[:, 0] = False
+            a, w = self.attn(h, h, h, key_padding_mask=pad, need_weights=True)
+            a = a + w.mean(-1, keepdim=True)
+        else:
+            a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head((h + a).mean(1))
+
+
+class EncoderLayerModel(Classifier):
+    """nn.TransformerEncoderLayer; validation (eval, no grad) runs its fused fast path, which reads
+    every parameter directly without calling self_attn/linear1/norm1/... as modules."""
+
+    def __init__(self, stack: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        if stack:
+            layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                               norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, num_layers=2, norm=nn.LayerNorm(16), enable_nested_tensor=False)
+        else:
+            self.enc = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.inp(x)).mean(1))
+
+
+class DecoderLayerModel(TokenLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(self.vocab, 16)
+        self.memory = nn.Linear(16, 16)
+        self.dec = nn.TransformerDecoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, self.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        out = self.dec(h, torch.tanh(self.memory(h)), tgt_mask=mask, tgt_is_causal=True)
+        return self.head(out)
+
+
+class RNNModel(Classifier):
+    """LSTM/GRU: the module keeps its own list of parameter references (``_flat_weights``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        if kind == "lstm":
+            self.rnn = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+            self.head = nn.Linear(16, 4)
+        else:
+            self.rnn = nn.GRU(8, 16, batch_first=True, bidirectional=True)
+            self.head = nn.Linear(32, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1] if self.kind == "lstm" else out.mean(1))
+
+
+class CNN(Classifier):
+    def __init__(self, norm: str = "batch") -> None:
+        super().__init__()
+
+        def norm_layer(c: int) -> nn.Module:
+            return nn.BatchNorm2d(c) if norm == "batch" else nn.GroupNorm(2, c)
+
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), norm_layer(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, stride=2), norm_layer(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class BatchNormMLP(Classifier):
+    """BatchNorm1d: each rank normalises with its own batch statistics; DDP broadcasts rank 0's running
+    stats before every forward (broadcast_buffers=True), so rank 1's eval uses rank 0's stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+class TiedHead(nn.Module):
+    """An output head that uses the embedding's weight via F.linear; the embedding is not its child."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self._emb = [emb]  # a plain reference: not registered, so not a submodule
+        self.bias = nn.Parameter(torch.zeros(emb.num_embeddings))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._emb[0].weight, self.bias)
+
+
+class TiedLM(TokenLM):
+    def __init__(self, tie: str = "functional") -> None:
+        super().__init__()
+        self.emb = nn.Embedding(self.vocab, 16)
+        self.block = mlp(16, 32, 16, act=nn.GELU)
+        self.ln = nn.LayerNorm(16)
+        if tie == "functional":
+            self.head = TiedHead(self.emb)
+        else:  # the classic tie: one Parameter held by two modules
+            self.head = nn.Linear(16, self.vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return self.head(self.ln(h + self.block(h)))
+
+
+class WeightOutsideModule(Classifier):
+    """``self.proj`` is never called: the parent reads its weight and bias in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.enc(x)) @ self.proj.weight.t() + self.proj.bias
+
+
+class RootParameters(Classifier):
+    """Parameters held by the LightningModule itself (a temperature and an offset), used in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.offset = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) / self.temperature + self.offset
+
+
+class SharedTwice(Classifier):
+    """One block called twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(self.inp(x))))
+
+
+class FrozenBackbone(Classifier):
+    """A frozen feature extractor (requires_grad=False) and a trainable head; optimizer over trainable ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = mlp(8, 32, 16)
+        self.backbone.requires_grad_(False)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+class FrozenBNBackbone(Classifier):
+    """Fine-tuning: a frozen CNN backbone kept in eval mode (BatchNorm running stats fixed) under a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.backbone.requires_grad_(False)
+        self.head = nn.Linear(8, 4)
+
+    def train(self, mode: bool = True) -> "FrozenBNBackbone":
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)
+
+
+class UnusedBranch(Classifier):
+    """An auxiliary head used on even steps only (the same on every rank: control flow by step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.aux = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.inp(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.relu(self.inp(x))
+        out = self.head(h)
+        if batch_idx % 2 == 0:
+            out = out + self.aux(h)
+        loss = F.cross_entropy(out, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        # plain SGD: an unused parameter's update is zero whether its gradient is None (DDP) or zero
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Checkpointed(Classifier):
+    """torch.utils.checkpoint (non-reentrant) around each residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                    for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+class NormMLP(Classifier):
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        make = {"layer": lambda: nn.LayerNorm(32), "rms": lambda: nn.RMSNorm(32)}[norm]
+        self.net = nn.Sequential(nn.Linear(8, 32), make(), nn.GELU(), nn.Linear(32, 32), make(), nn.GELU(),
+                                 nn.Linear(32, 4))
+
+
+class BufferUpdater(Classifier):
+    """Normalises inputs with a running mean it updates in training forward, and counts samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(8))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.net = mlp(8, 16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.seen += x.shape[0]
+        return self.net(x - self.running_mean)
+
+
+class DropoutMLP(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.ReLU(),
+                                 nn.Dropout(0.3), nn.Linear(32, 4))
+
+
+class TinyGPT(TokenLM):
+    """nanoGPT-shaped: SDPA causal attention, pre-norm blocks, tied embedding, no biases in linears."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 2, n_layer: int = 2, block: int = 16, optimizer: str = "adamw"):
+        super().__init__()
+        self.n_head, self.optimizer = n_head, optimizer
+        self.wte = nn.Embedding(self.vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(n_embd), qkv=nn.Linear(n_embd, 3 * n_embd, bias=False),
+            proj=nn.Linear(n_embd, n_embd, bias=False), ln2=nn.LayerNorm(n_embd),
+            fc=nn.Linear(n_embd, 2 * n_embd, bias=False), out=nn.Linear(2 * n_embd, n_embd, bias=False),
+        )) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, self.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape
+        h = self.wte(x) + self.wpe(torch.arange(T))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](h)).split(h.shape[-1], dim=2)
+            q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + blk["proj"](a.transpose(1, 2).reshape(B, T, -1))
+            h = h + blk["out"](F.gelu(blk["fc"](blk["ln2"](h))))
+        return self.lm_head(self.ln_f(h))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# batches and training_step idioms
+
+
+class DictDataset(Dataset):
+    def __init__(self, seed: int) -> None:
+        self.x, self.y = cls_set(seed=seed).tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "name": f"sample-{i * 7 % 23}", "pair": (self.x[i] * 2, i)}
+
+
+class DictBatch(Classifier):
+    """Batches are dicts holding tensors, a list of strings and a (tensor, int) tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        weight = torch.tensor([1.0 + len(name) % 3 for name in batch["name"]])
+        doubled, index = batch["pair"]
+        logits = self(batch["x"]) + 0.01 * self(doubled) * index.float().unsqueeze(1)
+        return (F.cross_entropy(logits, batch["y"], reduction="none") * weight).mean()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, batch_size=len(batch["name"]))
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), batch_size=len(batch["name"]))
+
+
+class NestedTupleDataset(Dataset):
+    def __init__(self, seed: int) -> None:
+        self.x, self.y = seq_set(seed=seed).tensors
+        self.mask = torch.arange(6).expand(len(self.x), 6) < (torch.arange(len(self.x)) % 5 + 2).unsqueeze(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple:
+        return (self.x[i], self.mask[i]), self.y[i]
+
+
+class NestedTupleBatch(Classifier):
+    """Batches ((x, bool mask), y): masked mean pooling over a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        x, mask = inputs
+        h = torch.tanh(self.inp(x)).masked_fill(~mask.unsqueeze(-1), 0.0)
+        return self.head(h.sum(1) / mask.sum(1, keepdim=True))
+
+
+class HostSyncs(Classifier):
+    """training_step calls loss.item(), float(loss), ``if torch.isnan(loss)`` and .tolist()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        if torch.isnan(loss):
+            return None
+        self.seen.append(loss.item())
+        preds = logits.argmax(1).tolist()
+        acc = sum(int(p == t) for p, t in zip(preds, y.tolist())) / len(preds)
+        self.log("loss_float", float(loss))
+        self.log("acc_from_list", acc)
+        self.log("mean_seen", sum(self.seen) / len(self.seen))
+        return loss
+
+
+class MasksAndNonzero(Classifier):
+    """Boolean masks and torch.nonzero: samples labelled -1 are ignored, a row subset is gathered by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        y = torch.where(torch.arange(len(y)) % 3 == 1, -1, y)
+        valid = y >= 0
+        idx = torch.nonzero(valid).squeeze(1)
+        logits = self(x[idx])
+        confident = logits.softmax(-1).max(-1).values > 0.3
+        extra = logits[confident].pow(2).mean() if bool(confident.any()) else logits.sum() * 0
+        return F.cross_entropy(logits, y[valid]) + 0.01 * extra
+
+
+class WithTorchmetrics(Classifier):
+    """torchmetrics updated in training_step, logged on step and epoch (epoch values synced across ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.net = mlp(8, 16, 4)
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+        self.train_loss_mean = torchmetrics.MeanMetric()
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.train_loss_mean.update(loss.detach())
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_loss_mean", self.train_loss_mean, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_acc.update(self(x), y)
+        self.log("val_acc", self.val_acc)
+
+
+class LossHistory(Classifier):
+    """Keeps the losses in a list on the module and logs statistics of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+        self.history: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.history.append(loss.detach())
+        self.log("recent_mean", torch.stack(self.history[-2:]).mean())
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("epoch_mean", torch.stack(self.history).mean())
+
+
+class L2Penalty(Classifier):
+    """An explicit L2 penalty over self.parameters() inside training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        l2 = sum(p.pow(2).sum() for p in self.parameters())
+        loss = self.loss(batch) + 1e-2 * l2
+        self.log("l2", l2)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# optimization
+
+
+class ManualOptimization(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+        self.log("train_loss", loss)
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+class GAN(L.LightningModule):
+    """Two optimizers, manual optimization with toggle_optimizer; noise drawn from the global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict:
+        real = batch[0]
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 4)
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+
+        self.toggle_optimizer(opt_d)
+        fake = self.generator(z).detach()
+        d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+                  + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)) / 2
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+
+        self.toggle_optimizer(opt_g)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(self.generator(z)), ones)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+        return {"loss": (d_loss + g_loss).detach()}
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-2, betas=(0.5, 0.999)))
+
+
+class GradNormLogging(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class ManualClip(Classifier):
+    """clip_grad_norm_ by hand in on_before_optimizer_step; the loss is scaled so the norm is well above 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = 20 * self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        total = torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+        self.log("total_norm_before_clip", total)
+
+
+class WithOptimizer(Classifier):
+    """Param groups and an LR scheduler, one optimizer family per case."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.GELU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        by_dim = [{"params": decay, "weight_decay": 1e-2}, {"params": no_decay, "weight_decay": 0.0}]
+        by_module = [{"params": self.body.parameters()}, {"params": self.head.parameters(), "lr": 5e-2}]
+        if self.kind == "sgd":
+            opt = torch.optim.SGD(by_dim, lr=0.1, momentum=0.9, nesterov=True)
+            sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}
+        elif self.kind == "adam":
+            opt = torch.optim.Adam(by_module, lr=1e-2)
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)  # per epoch (2 epochs)
+        elif self.kind == "adamw":
+            opt = torch.optim.AdamW(by_dim, lr=1e-2, betas=(0.9, 0.95))
+            sched = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4), "interval": "step"}
+        else:
+            opt = torch.optim.RMSprop(by_module, lr=1e-2, momentum=0.5, alpha=0.9)
+            sched = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
+                     "interval": "step"}
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+
+class NoOptimizer(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+class MetaInit(Classifier):
+    """Layers created in configure_model (the Trainer creates them under its sharded init context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# callbacks written strategy-agnostically
+
+
+def gathered(trainer: L.Trainer) -> Any:
+    """Full parameters outside the training step: the strategy's context if it has one."""
+    return getattr(trainer.strategy, "gathered_params", contextlib.nullcontext)()
+
+
+class EMA(Callback):
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.ema: Optional[dict[str, torch.Tensor]] = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with gathered(trainer):
+            now = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        if self.ema is None:
+            self.ema = now
+        else:
+            for n, p in now.items():
+                self.ema[n].mul_(self.decay).add_(p, alpha=1 - self.decay)
+
+
+class WeightNormLogger(Callback):
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with gathered(trainer):
+            norms = {f"wnorm/{n}": p.detach().norm() for n, p in pl_module.named_parameters()}
+        self.history.append({k: float(v) for k, v in norms.items()})
+        pl_module.log_dict(norms)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hugging Face transformers, built from tiny configs (no downloads)
+
+
+class HFModel(L.LightningModule):
+    def __init__(self, kind: str, dropout: bool = False) -> None:
+        super().__init__()
+        import transformers as tr
+
+        p = 0.1 if dropout else 0.0
+        if kind == "gpt2":
+            config = tr.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                   eos_token_id=0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+            cls = tr.GPT2LMHeadModel
+        elif kind == "llama":
+            config = tr.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_dropout=p)
+            cls = tr.LlamaForCausalLM
+        else:
+            config = tr.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
+                                   hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+            cls = tr.BertForMaskedLM
+        config._attn_implementation = "eager"
+        self.kind = kind
+        self.model = cls(config)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if self.kind == "bert":  # mask every 4th position (token 3 = [MASK]); predict the original there
+            masked = torch.arange(x.shape[1]) % 4 == 1
+            labels = torch.where(masked, x, -100)
+            return self.model(input_ids=torch.where(masked, 3, x), labels=labels).loss
+        return self.model(input_ids=x, labels=x).loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        if self.kind == "llama":  # no biases anywhere: AdamW as users train it
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        # GPT-2/BERT attention has a key bias whose true gradient is exactly zero; Adam would turn its
+        # rounding noise into lr-sized steps, so SGD keeps the comparison about real differences.
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DDP sanity checks a case adds (that the case exercises what it claims)
+
+
+def _check_clipping_needed(results: list[dict]) -> None:
+    for r in results:
+        norms = [m["total_norm_before_clip"] for m in r["step_metrics"]]
+        assert norms and min(norms) > 1.0, f"clip_grad_norm_(1.0) must clip on every step, norms were {norms}"
+
+
+def _check_ranks_differ_in_bn_stats(results: list[dict]) -> None:
+    v0, v1 = (r["extras"]["validate"][0]["val_loss"] for r in results)
+    assert v0 != v1, "ranks should see different validation data"
+
+
+def _check_lrs_change(results: list[dict]) -> None:
+    lrs = [tuple(map(tuple, step)) for step in results[0]["lrs"]]
+    assert len(set(lrs)) > 1, f"the LR scheduler should change the learning rate, got {lrs}"
+
+
+def _check_unused_steps(results: list[dict]) -> None:
+    assert len(results[0]["steps"]) >= 3  # both used and unused steps happened
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the catalog
+
+
+def _hf(kind: str, dropout: bool = False) -> Callable[[], L.LightningModule]:
+    return lambda: HFModel(kind, dropout)
+
+
+def _ema_extras(cbs: list[Callback]) -> dict:
+    return {"ema": cbs[0].ema}
+
+
+def _norm_extras(cbs: list[Callback]) -> dict:
+    return {"weight_norms": cbs[0].history}
+
+
+def _dict_data() -> dict[str, DataLoader]:
+    return dict(train=loader(DictDataset(0)), val=loader(DictDataset(1)))
+
+
+def _tuple_data() -> dict[str, DataLoader]:
+    return dict(train=loader(NestedTupleDataset(0)), val=loader(NestedTupleDataset(1)))
+
+
+def _shuffled_cls_data() -> dict[str, DataLoader]:
+    return dict(train=loader(cls_set(seed=0), shuffle=True), val=loader(cls_set(seed=1)))
+
+
+def _eval_data(role: str, make: Callable[..., TensorDataset]) -> Callable[[], dict[str, DataLoader]]:
+    return lambda: {role: loader(make(seed=2)), "val": loader(make(seed=1))}
+
+
+CASES: list[Case] = [
+    # architectures
+    Case("sequential_mlp", SequentialMLP, cls_data),
+    Case("sequential_mlp_shuffled", SequentialMLP, _shuffled_cls_data),
+    Case("mha_self_attention", lambda: MHAModel("self"), seq_data),
+    Case("mha_padding_mask_weights", lambda: MHAModel("padding"), seq_data),
+    Case("mha_cross_kdim_vdim", lambda: MHAModel("cross"), seq_data),
+    Case("transformer_encoder_layer", EncoderLayerModel, seq_data, run=fit_then_validate),
+    Case("transformer_encoder_stack", lambda: EncoderLayerModel(stack=True), seq_data, run=fit_then_validate),
+    Case("transformer_decoder_layer", DecoderLayerModel, token_data),
+    Case("lstm", lambda: RNNModel("lstm"), seq_data),
+    Case("gru_bidirectional", lambda: RNNModel("gru"), seq_data),
+    Case("cnn_batchnorm", CNN, image_data, run=fit_then_validate, ddp_check=_check_ranks_differ_in_bn_stats),
+    Case("cnn_groupnorm", lambda: CNN("group"), image_data),
+    Case("batchnorm_mlp_eval_per_rank", BatchNormMLP, cls_data, run=fit_then_validate,
+         ddp_check=_check_ranks_differ_in_bn_stats),
+    Case("layernorm_mlp", lambda: NormMLP("layer"), cls_data),
+    Case("rmsnorm_mlp", lambda: NormMLP("rms"), cls_data),
+    Case("tied_embedding_functional_head", TiedLM, token_data),
+    Case("tied_embedding_shared_parameter", lambda: TiedLM("shared"), token_data),
+    Case("weight_used_outside_module", WeightOutsideModule, cls_data),
+    Case("parameters_on_root_module", RootParameters, cls_data),
+    Case("shared_module_called_twice", SharedTwice, cls_data),
+    Case("frozen_submodule", FrozenBackbone, cls_data),
+    Case("frozen_batchnorm_backbone_in_eval", FrozenBNBackbone, image_data),
+    Case("unused_branch_on_some_steps", UnusedBranch, cls_data, ddp=dict(find_unused_parameters=True),
+         ddp_check=_check_unused_steps),
+    Case("activation_checkpointing", Checkpointed, cls_data),
+    Case("buffer_updated_in_forward", BufferUpdater, cls_data),
+    Case("dropout", DropoutMLP, cls_data),
+    Case("tiny_gpt_adamw", TinyGPT, token_data),
+    # batches and training_step idioms
+    Case("dict_batch_with_strings", DictBatch, _dict_data),
+    Case("nested_tuple_batch_bool_mask", NestedTupleBatch, _tuple_data),
+    Case("item_float_isnan_tolist", HostSyncs, cls_data),
+    Case("bool_mask_and_nonzero", MasksAndNonzero, cls_data),
+    Case("torchmetrics_logged", WithTorchmetrics, cls_data),
+    Case("losses_kept_in_list", LossHistory, cls_data),
+    Case("l2_penalty_over_parameters", L2Penalty, cls_data),
+    # optimization
+    Case("manual_optimization", ManualOptimization, cls_data, ddp_check=_check_lrs_change),
+    Case("manual_gan_two_optimizers", GAN, cls_data, ddp=dict(find_unused_parameters=True)),
+    Case("grad_norm_logged", GradNormLogging, cls_data),
+    Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
+    # the gradient norm of these steps is 0.46-0.79 and max |grad| 0.14-0.43 (checked once): both always clip
+    Case("trainer_gradient_clip_norm", SequentialMLP, cls_data, trainer=dict(gradient_clip_val=0.05)),
+    Case("trainer_gradient_clip_value", SequentialMLP, cls_data,
+         trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
+    # DDP sums micro-batch gradients locally and all-reduces once; ZeRO reduce-scatters every micro-batch.
+    # With two ranks and SGD the orders differ by at most 4e-9 in the weights after these two steps (measured by
+    # emulating both summation orders in one process), far inside the default tolerance: no looser one needed.
+    Case("gradient_accumulation", SequentialMLP, cls_data, trainer=dict(accumulate_grad_batches=2)),
+    Case("sgd_nesterov_groups_steplr", lambda: WithOptimizer("sgd"), cls_data, ddp_check=_check_lrs_change),
+    Case("adam_module_groups_exponentiallr", lambda: WithOptimizer("adam"), lambda: cls_data(n=16),
+         trainer=dict(max_epochs=2), ddp_check=_check_lrs_change),
+    Case("adamw_decay_groups_cosine", lambda: WithOptimizer("adamw"), cls_data, ddp_check=_check_lrs_change),
+    Case("rmsprop_groups_lambdalr", lambda: WithOptimizer("rmsprop"), cls_data, ddp_check=_check_lrs_change),
+    Case("configure_optimizers_returns_none", NoOptimizer, cls_data, trains=False),
+    Case("meta_init_configure_model", MetaInit, cls_data),
+    # callbacks
+    Case("ema_callback", SequentialMLP, cls_data, run=fit_with(EMA, keep=_ema_extras)),
+    Case("weight_norm_callback", SequentialMLP, cls_data, run=fit_with(WeightNormLogger, keep=_norm_extras)),
+    # entry points
+    Case("validate_without_fit", lambda: NormMLP("layer"), _eval_data("val", cls_set), run=validate_only, trains=False),
+    Case("test_without_fit", CNN, _eval_data("test", image_set), run=run_test_only, trains=False),
+    Case("predict_without_fit", lambda: EncoderLayerModel(stack=True), _eval_data("predict", seq_set),
+         run=predict_only, trains=False),
+    Case("second_trainer_after_fit", SequentialMLP, cls_data, run=second_trainer),
+    Case("module_state_dict_after_fit", lambda: TiedLM("shared"), token_data, run=state_dict_after_fit),
+    Case("forward_on_one_rank_after_fit", SequentialMLP, cls_data, run=forward_one_rank_after_fit),
+    # Hugging Face transformers
+    Case("hf_gpt2", _hf("gpt2"), token_data, requires="transformers"),
+    Case("hf_gpt2_dropout", _hf("gpt2", dropout=True), token_data, requires="transformers"),
+    Case("hf_llama", _hf("llama"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
+    Case("hf_bert_mlm", _hf("bert"), token_data, requires="transformers"),
+    # bf16-mixed
+    Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
+    Case("bf16_mlp", SequentialMLP, cls_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
+    Case("bf16_cnn_batchnorm", CNN, image_data, trainer=dict(precision="bf16-mixed"), tol=BF16,
+         run=fit_then_validate),
+]
+
+BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
+assert len(BY_NAME) == len(CASES), "case names must be unique"

@@ -1,0 +1,115 @@
+"""The catalog under DDP and under Elixir (plan="auto" and a one-parameter-per-chunk ZeRO-3 plan).
+
+All cases run under one strategy in one spawned pair of gloo CPU ranks (harness.py), once per
+session and strategy, and only for the cases the selected tests need (``-k hf_`` runs only those).
+Tests:
+- test_ddp[case]: DDP itself runs the case soundly (the reference must be right);
+- test_matches_ddp[case-strategy]: the strategy's losses per step, logged values, learning rates,
+  final weights, buffers and extras equal DDP's within the case's tolerance (models.Tol).
+
+Set CATALOG_SUMMARY=<path> to also write a markdown table of every (case, strategy) outcome.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.catalog import compare, harness
+from tests.catalog.models import BY_NAME, CASES, Case
+
+COMPARED = ("elixir", "zero3-1pp")
+
+
+def _available(case: Case) -> bool:
+    return case.requires is None or importlib.util.find_spec(case.requires) is not None
+
+
+class Runs:
+    """Results per strategy, computed on first use for the cases this session selected."""
+
+    def __init__(self, cases: list[str], root: Path) -> None:
+        self.cases, self.root = cases, root
+        self.results: dict[str, dict[str, list[dict]]] = {}
+        self.seconds: dict[str, float] = {}
+
+    def get(self, strategy: str) -> dict[str, list[dict]]:
+        if strategy not in self.results:
+            start = time.perf_counter()
+            self.results[strategy] = harness.run_cases(self.cases, strategy, self.root)
+            self.seconds[strategy] = time.perf_counter() - start
+        return self.results[strategy]
+
+    def outcome(self, case: Case, strategy: str) -> list[str]:
+        ref = self.get("ddp")[case.name]
+        problems = compare.check_ddp(case, ref)
+        if strategy == "ddp" or problems:
+            return [f"DDP: {p}" for p in problems] if strategy != "ddp" else problems
+        return compare.compare(case, ref, self.get(strategy)[case.name])
+
+
+@pytest.fixture(scope="session")
+def catalog(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    wanted = {item.callspec.params["case"].name for item in request.session.items
+              if item.module is not None and item.module.__name__ == __name__ and hasattr(item, "callspec")
+              and "case" in item.callspec.params}
+    cases = [c.name for c in CASES if c.name in wanted and _available(c)]
+    runs = Runs(cases, tmp_path_factory.mktemp("catalog"))
+    yield runs
+    summary = os.environ.get("CATALOG_SUMMARY")
+    if summary:
+        _write_summary(runs, Path(summary))
+
+
+def _first_line(problems: list[str]) -> str:
+    first = problems[0]
+    return first.removeprefix("raised: ") if first.startswith("raised: ") else first.splitlines()[0]
+
+
+def _write_summary(runs: Runs, path: Path) -> None:
+    rows = ["| case | strategy | outcome |", "|---|---|---|"]
+    for case in CASES:
+        if case.name not in runs.cases:
+            continue
+        for strategy in ("ddp",) + COMPARED:
+            if strategy not in runs.results:
+                continue
+            problems = runs.outcome(case, strategy)
+            text = "ok" if not problems else _first_line(problems).replace("|", "\\|")[:300]
+            rows.append(f"| {case.name} | {strategy} | {text} |")
+    times = ", ".join(f"{s}: {t:.0f} s" for s, t in runs.seconds.items())
+    path.write_text("\n".join(rows) + f"\n\nrun time per strategy: {times}\n")
+
+
+def _ids(case: Case) -> str:
+    return case.name
+
+
+def test_catalog_size() -> None:
+    assert len(CASES) >= 40
+    assert len(BY_NAME) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_ddp(case: Case, catalog: Runs) -> None:
+    if case.requires:
+        pytest.importorskip(case.requires)
+    problems = catalog.outcome(case, "ddp")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.mark.parametrize("strategy", COMPARED)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_matches_ddp(case: Case, strategy: str, catalog: Runs) -> None:
+    if case.requires:
+        pytest.importorskip(case.requires)
+    problems = catalog.outcome(case, strategy)
+    if problems:
+        pytest.fail(f"{case.name} under {strategy} vs ddp (tolerance: {case.tol.why}):\n" + "\n".join(problems),
+                    pytrace=False)
