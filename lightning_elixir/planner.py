@@ -33,7 +33,8 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan
 from lightning_elixir.profile import profile_hardware, profile_model
-from lightning_elixir.profile.fake import StepFn, lightning_step, preserved_rng
+from lightning_elixir.profile.fake import StepFn, lightning_step
+from lightning_elixir.profile.preserved import preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.collectives import Group

@@ -6,7 +6,7 @@ The step (forward, loss, backward) runs once under ``FakeTensorMode`` with the p
 and batch swapped for fake tensors, so a model of any size profiles in little host memory. What it
 records is described in ``tracer.py`` ([Note: access granularity]) and ``memory.py``
 ([Note: what counts as activation memory]). The step is the user's code: host reads of values get
-assumed answers ([Note: assumed values] in fake.py), manual optimization runs against stand-ins,
+assumed answers ([Note: assumed values] in assumed.py), manual optimization runs against stand-ins,
 and the module's state and the global random generators are put back afterwards, so profiling
 changes nothing the run sees. ``backward=False`` profiles a forward-only step (validation, test,
 prediction) under ``torch.no_grad`` in eval mode.
@@ -25,24 +25,20 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
+from lightning_elixir.profile.assumed import AssumedValues, host_conversions
 from lightning_elixir.profile.fake import (
-    AssumedValues,
     StepFn,
     StepModule,
-    StepStandIns,
     default_device,
     default_step,
     fake_batch,
     fake_parameters,
     fake_state,
-    host_conversions,
     loss_of,
-    preserved_rng,
-    preserved_state,
-    quiet_logging,
-    training_mode,
 )
 from lightning_elixir.profile.params import ParamTable
+from lightning_elixir.profile.preserved import preserved_rng, preserved_state
+from lightning_elixir.profile.stand_ins import StepStandIns, quiet_logging, training_mode
 from lightning_elixir.profile.tracer import StepTracer
 from lightning_elixir.profile.types import Access, HardwareProfile, ModelProfile, ProfileError
 
@@ -90,7 +86,7 @@ def profile_model(
     Raises:
         ProfileError: If the step cannot be traced (no loss and no ``manual_backward``, or an
             operator whose result depends on values the trace cannot assume, see [Note: assumed
-            values] in fake.py). Other exceptions the step raises on fake tensors propagate.
+            values] in assumed.py). Other exceptions the step raises on fake tensors propagate.
     """
     device = torch.device(device) if device is not None else default_device(module)
     _check_arguments(compute_dtype, device, hardware)

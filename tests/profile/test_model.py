@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_elixir.profile.fake import quiet_logging
 from lightning_elixir.profile.model import profile_model
+from lightning_elixir.profile.stand_ins import quiet_logging
 from lightning_elixir.profile.types import ModelProfile, ProfileError
 from tests.profile.models import (
     MLP,

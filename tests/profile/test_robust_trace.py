@@ -350,7 +350,7 @@ def test_a_failing_trace_still_restores_state_and_rng():
 def test_assumed_values_read_finite_data():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_elixir.profile.fake import AssumedValues, host_conversions
+    from lightning_elixir.profile.assumed import AssumedValues, host_conversions
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
