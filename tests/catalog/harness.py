@@ -184,11 +184,21 @@ def _run_case(case: Any, strategy: str, rank: int, root: Path, agree: Any) -> tu
                           buffers=_cpu(dict(ctx.model.named_buffers())))
             if ctx.trainers:
                 result["metrics"] = {k: _num(v) for k, v in ctx.trainers[-1].callback_metrics.items()}
+                result["plans"] = [_plan_of(t.strategy) for t in ctx.trainers]
         except Exception:
             ok = False
             result["errors"].append(f"rank {rank} collecting results: {traceback.format_exc()}")
     result["seconds"] = time.perf_counter() - start
     return result, all_ok and ok
+
+
+def _plan_of(strategy: Any) -> str:
+    """The plan an Elixir strategy ran ("fallback" when planning could not trace the step); "" otherwise."""
+    planning = getattr(strategy, "planning", None)
+    if planning is not None and getattr(planning, "fallback_reason", None):
+        return "fallback"
+    plan = getattr(strategy, "plan", None)
+    return getattr(planning.plan if planning is not None else plan, "name", "") if plan is not None else ""
 
 
 def _redirect_output(path: Path) -> None:

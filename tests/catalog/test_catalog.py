@@ -72,7 +72,7 @@ def _first_line(problems: list[str]) -> str:
 
 
 def _write_summary(runs: Runs, path: Path) -> None:
-    rows = ["| case | strategy | outcome |", "|---|---|---|"]
+    rows = ["| case | strategy | plans | outcome |", "|---|---|---|---|"]
     for case in CASES:
         if case.name not in runs.cases:
             continue
@@ -81,7 +81,8 @@ def _write_summary(runs: Runs, path: Path) -> None:
                 continue
             problems = runs.outcome(case, strategy)
             text = "ok" if not problems else _first_line(problems).replace("|", "\\|")[:300]
-            rows.append(f"| {case.name} | {strategy} | {text} |")
+            plans = ", ".join(sorted(set(runs.results[strategy][case.name][0].get("plans", [])) - {""}))
+            rows.append(f"| {case.name} | {strategy} | {plans} | {text} |")
     times = ", ".join(f"{s}: {t:.0f} s" for s, t in runs.seconds.items())
     path.write_text("\n".join(rows) + f"\n\nrun time per strategy: {times}\n")
 
