@@ -965,7 +965,7 @@ class WeightNormLogger(Callback):
 # Hugging Face transformers, built from tiny configs (no downloads)
 
 
-class HFModel(L.LightningModule):
+class HFModel(TokenLM):
     def __init__(self, kind: str, dropout: bool = False) -> None:
         super().__init__()
         import transformers as tr
@@ -996,14 +996,6 @@ class HFModel(L.LightningModule):
             labels = torch.where(masked, x, -100)
             return self.model(input_ids=torch.where(masked, 3, x), labels=labels).loss
         return self.model(input_ids=x, labels=x).loss
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch))
 
     def configure_optimizers(self) -> Any:
         if self.kind == "llama":  # no biases anywhere: AdamW as users train it
