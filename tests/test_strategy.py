@@ -143,3 +143,44 @@ def test_trainer_with_accumulation_and_clipping_tracks_ddp(tmp_path):
     assert len(ddp) == len(elixir) == 6
     for (step_a, a), (step_b, b) in zip(ddp, elixir):
         assert step_a == step_b and a == pytest.approx(b, rel=1e-4)
+
+
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_one_process(strategy) -> tuple[L.Trainer, _Linear]:
+    torch.manual_seed(0)
+    model = _Linear()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+    # the same batches under every strategy: no DistributedSampler (it reorders them)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer, model
+
+
+def test_teardown_gives_the_module_back_or_keeps_the_shards_when_asked():
+    from lightning_elixir.runtime.access import OutsideStepError
+    from lightning_elixir.runtime.params import ChunkedParameter
+
+    _, plain = _fit_one_process(ElixirStrategy(plan="zero3"))
+    assert all(type(p) is torch.nn.Parameter for p in plain.parameters())
+    _, reference = _fit_one_process("auto")
+    torch.testing.assert_close(plain.layer.weight, reference.layer.weight)
+
+    trainer, sharded = _fit_one_process(ElixirStrategy(plan="zero3", unshard_on_teardown=False))
+    assert all(isinstance(p, ChunkedParameter) for p in sharded.parameters())
+    with pytest.raises(OutsideStepError, match="gathered_params"):
+        sharded.layer.weight.sum()
+    with trainer.strategy.gathered_params():
+        torch.testing.assert_close(sharded.layer.weight.detach(), reference.layer.weight.detach())
