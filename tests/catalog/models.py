@@ -225,15 +225,8 @@ def fit_with(*callbacks: Callable[[], Callback],
 # base modules
 
 
-class Classifier(L.LightningModule):
-    """x: (B, ...) float, y: class in [0, 4). Subclasses set ``self.net`` or override ``forward``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
+class LossSteps(L.LightningModule):
+    """Training and validation steps around ``self.loss(batch)``, logged as train_loss / val_loss."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -242,6 +235,17 @@ class Classifier(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self.loss(batch))
+
+
+class Classifier(LossSteps):
+    """x: (B, ...) float, y: class in [0, 4). Subclasses set ``self.net`` or override ``forward``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self.loss(batch))
@@ -253,7 +257,7 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class TokenLM(L.LightningModule):
+class TokenLM(LossSteps):
     """x, y: (B, T) token ids; next-token cross entropy."""
 
     vocab = 64
@@ -261,14 +265,6 @@ class TokenLM(L.LightningModule):
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self(x).reshape(-1, self.vocab), y.reshape(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
