@@ -21,7 +21,6 @@ from lightning_elixir.runtime.layout import shared_param_names
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.params import ChunkedParameter
 from lightning_elixir.runtime.runtime import ElixirRuntime
-from lightning_elixir.runtime.state_dict import full_state_dict
 from tests.distributed import run_distributed
 
 
