@@ -21,9 +21,10 @@ sampler's shuffle, the workers' base seed), which ``preserved_rng`` puts back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -172,7 +173,7 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
                        compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
                        memory_limit: MemoryLimit = None, local_world_size: int = 1,
                        hardware: Optional[Union[HardwareProfile, str]] = None, step_fn: Optional[StepFn] = None,
-                       backward: bool = True) -> PlanningResult:
+                       backward: bool = True, private_params: Iterable[str] = ()) -> PlanningResult:
     """Profile one step of ``module`` on ``batch``, search and agree on a plan. Call on every rank.
 
     Args:
@@ -188,6 +189,7 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
         hardware: A HardwareProfile or its JSON path; default: measured on ``group``.
         step_fn: ``step_fn(module, batch)``; default: ``profile_model``'s.
         backward: False for a forward-only step.
+        private_params: Names that get a private chunk besides those the profile finds shared.
 
     Returns:
         The plan and how it was found. When the step cannot be traced, ``FALLBACK_PLAN`` with a
@@ -198,13 +200,14 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
 
     return _plan(trace, "the step", device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
-                 local_world_size=local_world_size, hardware=hardware)
+                 local_world_size=local_world_size, hardware=hardware, private_params=private_params)
 
 
 def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
                      compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
                      memory_limit: MemoryLimit = None, local_world_size: int = 1,
-                     hardware: Optional[Union[HardwareProfile, str]] = None) -> PlanningResult:
+                     hardware: Optional[Union[HardwareProfile, str]] = None,
+                     private_params: Iterable[str] = ()) -> PlanningResult:
     """``plan_automatically`` for the stage ``trainer`` runs, on a batch of that stage's data.
 
     See [Note: planning per stage]. Taking the batch is part of the trace: a stage without data
@@ -220,13 +223,13 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
     micro_batches = trainer.accumulate_grad_batches if step.backward else 1
     return _plan(trace, step.hook, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
-                 local_world_size=local_world_size, hardware=hardware)
+                 local_world_size=local_world_size, hardware=hardware, private_params=private_params)
 
 
 def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device, group: Group,
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,
-          hardware: Optional[Union[HardwareProfile, str]]) -> PlanningResult:
+          hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = ()) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
     with preserved_rng(cuda=device.type == "cuda"):
         hw = measure_hardware(device, group, compute_dtype, hardware)  # collective: before anything may fail
@@ -242,9 +245,16 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
         if reason is not None:
             _warn_fallback(what, reason)
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason)
+        profile = _with_private(profile, private_params)
         options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype)
         plan, report = search(profile, hw, budget, options)
         return PlanningResult(_agree(plan, group), report, profile, hw, budget)
+
+
+def _with_private(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:
+    """The profile with the user's private parameters listed as shared: the search gives them private chunks."""
+    extra = tuple(n for n in private_params if n not in profile.shared_params)
+    return dataclasses.replace(profile, shared_params=profile.shared_params + extra) if extra else profile
 
 
 def _first_failure(reason: Optional[str], group: Group) -> Optional[str]:

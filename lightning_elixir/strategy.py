@@ -269,7 +269,7 @@ class ElixirStrategy(ParallelStrategy):
             self.model, trainer, device=self.root_device, group=Group.default(),
             compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
             memory_limit=self.device_memory_limit, local_world_size=self.num_processes,
-            hardware=self.hardware_profile)
+            hardware=self.hardware_profile, private_params=self.private_params)
         if self.planning.report is not None:  # None: the step could not be traced and planning warned why
             rank_zero_info(self.planning.report.summary())
         return self.planning.plan

@@ -216,3 +216,11 @@ def test_when_one_rank_cannot_trace_every_rank_falls_back(monkeypatch):
             hardware=hardware(world_size=2, device_count=2))
     assert result.plan == FALLBACK_PLAN and result.fallback_reason == "rank 1: RuntimeError: only rank 1 cannot trace"
     assert len([w for w in caught if "plan='auto'" in str(w.message)]) == 1
+
+
+def test_private_params_reach_the_searched_plan():
+    strategy = ElixirStrategy(plan="auto", hardware_profile=hardware(world_size=1, device_count=1),
+                              private_params=["net.3.weight"])
+    _, trainer = _fit_losses(WithDropout, strategy)
+    private = [spec.params for spec in trainer.strategy.planning.plan.chunks if spec.private]
+    assert ("net.3.weight",) in private
