@@ -82,6 +82,22 @@ class ChunkedParameter(nn.Parameter):
             return out.clone() if detached_copy else out
 
 
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        # A plain copy of the values: a copy of the class would drag the runtime along with it.
+        copied = self._plain_copy()
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return self._plain_copy().__reduce_ex__(protocol)
+
+    def _plain_copy(self) -> nn.Parameter:
+        """An ``nn.Parameter`` holding a copy of the current values (gathered, or an error saying how)."""
+        self._elixir_read(self)
+        with torch._C.DisableTorchFunctionSubclass():
+            return nn.Parameter(self.data.clone(), requires_grad=self.requires_grad)
+
+
 def _announce_reads(args: tuple, kwargs: dict) -> bool:
     """Ask the runtime for every chunked parameter among the arguments; True if any was outside its owner."""
     outside = False

@@ -193,3 +193,26 @@ def test_module_zero_grad_clears_the_sharded_gradients():
         assert model.norm.weight.grad.abs().sum() > 0
     views = {id(v): v for g in opt.param_groups for v in g["params"]}
     assert sum(v.grad is not None for v in views.values()) == len(views) - 2
+
+
+def test_copies_and_pickles_of_chunked_parameters_are_plain_values():
+    import copy as copy_module
+    import io
+
+    torch.manual_seed(0)
+    model = TiedHead()
+    reference = copy_module.deepcopy(model)
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, 1))
+    with pytest.raises(OutsideStepError, match="gathered_params"):
+        copy_module.deepcopy(model)
+    with runtime.gathered():  # e.g. an EMA callback's copy of the module
+        twin = copy_module.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model.mix.weight, buffer)
+    for (name, p), ref in zip(twin.named_parameters(), reference.parameters()):
+        assert type(p) is nn.Parameter
+        torch.testing.assert_close(p, ref, msg=name)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded) is nn.Parameter
+    torch.testing.assert_close(loaded, reference.mix.weight)
