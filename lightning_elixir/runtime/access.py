@@ -129,7 +129,7 @@ class AccessGuard:
                                    f"(reduce-scattered into shards); {_HOW}")
         full = self.full_grads.get(chunk.index)
         if full is None:
-            full = self.full_grads[chunk.index] = chunk.gather_grad()
+            full = self.full_grads[chunk.index] = chunk.gather_full(chunk.grad_shard)
         return full[slot.offset:slot.end].view(slot.shape)
 
     def _hold(self, chunk: Chunk, name: str) -> None:

@@ -149,10 +149,10 @@ class Chunk:
             self.master.copy_(torch.where(changed, own.to(self.master.dtype), self.master))
         self.shard.copy_(own)
 
-    def gather_grad(self) -> torch.Tensor:
-        """The full (averaged) gradient of the chunk, gathered from every rank's gradient shard."""
-        full = torch.empty(self.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
-        collectives.all_gather(full, self.grad_shard, self.group)
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new chunk-sized tensor gathered from every rank's ``shard`` (master, gradient, optimizer state)."""
+        full = torch.empty(self.numel, dtype=shard.dtype, device=shard.device)
+        collectives.all_gather(full, shard, self.group)
         return full
 
     def write_back_grad(self, full: torch.Tensor) -> None:

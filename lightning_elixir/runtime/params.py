@@ -19,6 +19,7 @@ Teardown turns them back into plain ``nn.Parameter`` objects.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -39,25 +40,20 @@ _METADATA = frozenset({
 """Names of tensor attributes and methods that do not read values (getter and setter alike)."""
 
 _READ, _META, _GRAD = 0, 1, 2
-_kinds: dict[Any, int] = {}
 
 
+@functools.cache
 def _kind(func: Any) -> int:
-    """Whether ``func`` reads values, only metadata, or the ``.grad`` attribute (cached per function)."""
-    kind = _kinds.get(func)
-    if kind is None:
-        owner = getattr(func, "__self__", None)
-        is_accessor = getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
-        name = getattr(owner, "__name__", "") if is_accessor else getattr(func, "__name__", "")
-        setter = is_accessor and func.__name__ != "__get__"
-        if name == "grad" and not setter:
-            kind = _GRAD
-        elif name in _METADATA or (setter and name in ("data", "grad")):
-            kind = _META
-        else:
-            kind = _READ
-        _kinds[func] = kind
-    return kind
+    """Whether ``func`` reads values, only metadata, or the ``.grad`` attribute (memoised per function)."""
+    owner = getattr(func, "__self__", None)
+    is_accessor = getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
+    name = getattr(owner, "__name__", "") if is_accessor else getattr(func, "__name__", "")
+    setter = is_accessor and func.__name__ != "__get__"
+    if name == "grad" and not setter:
+        return _GRAD
+    if name in _METADATA or (setter and name in ("data", "grad")):
+        return _META
+    return _READ
 
 
 class ChunkedParameter(nn.Parameter):

@@ -13,7 +13,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError
-from lightning_elixir.runtime import collectives, hooks
+from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
 from lightning_elixir.runtime.chunk import Chunk, Slot
@@ -355,14 +355,10 @@ class ElixirRuntime:
             self.skipped_steps += 1
             return
         self.steps += 1
-        self.access.release_sticky()
         for chunk in self.chunks:
             chunk.exposed = False  # written back by before_step; the gathered values are stale now
             chunk.refresh_shard()
-        self.cache.invalidate()
-        for chunk in self.private:
-            if chunk.state is not ChunkState.FREE:
-                chunk.release()
+        self.release_all()
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
@@ -418,8 +414,7 @@ class ElixirRuntime:
         self.release_all()
         with torch.no_grad():
             for chunk in self.chunks:
-                full = torch.empty(chunk.numel, dtype=chunk.master.dtype, device=chunk.master.device)
-                collectives.all_gather(full, chunk.master, self.group)
+                full = chunk.gather_full(chunk.master)
                 for slot in chunk.slots:
                     unchunk_parameter(slot.param)
                     slot.param.data = full[slot.offset:slot.end].view(slot.shape).to(slot.dtype, copy=True)

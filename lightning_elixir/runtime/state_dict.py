@@ -12,14 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
-from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk, Slot
-
-
-def _gather(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
-    full = torch.empty(chunk.numel, dtype=shard.dtype, device=shard.device)
-    collectives.all_gather(full, shard, chunk.group)
-    return full
 
 
 def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
@@ -27,7 +20,7 @@ def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
     keep = runtime.group.rank == 0 if keep is None else keep
     values: dict[int, torch.Tensor] = {}
     for chunk in runtime.chunks:
-        full = _gather(chunk, chunk.master)
+        full = chunk.gather_full(chunk.master)
         if keep:
             for slot in chunk.slots:
                 values[id(slot.param)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
@@ -103,7 +96,7 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool
             state[i] = {k: _detached(v) for k, v in sharded["state"][i].items() if k not in keys}
         for key in keys:
             flat = _shard_buffer(chunk, members, sharded["state"], key)
-            full = _gather(chunk, flat)
+            full = chunk.gather_full(flat)
             for i, slot, _ in members:
                 state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
     if not keep:
