@@ -91,9 +91,8 @@ class ElixirPrecision(Precision):
         if overflow:  # every rank agreed: skip this step everywhere
             self.runtime.after_step(stepped=False)
             return closure_result
-        self.runtime.before_step()
-        output = optimizer.step(**kwargs)
-        self.runtime.after_step(stepped=True)
+        with self.runtime.stepping(optimizer):
+            output = optimizer.step(**kwargs)
         return output
 
     @override

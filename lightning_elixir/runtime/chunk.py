@@ -14,6 +14,7 @@ read outside the hooks yields NaN rather than freed memory, and an in-place writ
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,7 +49,10 @@ class Chunk:
     """A flat, sharded buffer of parameters with its gradient and master shards."""
 
     def __init__(self, index: int, spec: ChunkSpec, slots: list[Slot], group: Group, device: torch.device,
-                 compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 state_device: Optional[torch.device] = None, pin_memory: bool = False) -> None:
+        """``state_device``: where the master and gradient shards live (default ``device``); an offloaded
+        chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own."""
         self.index = index
         self.spec = spec
         self.slots = slots
@@ -68,9 +72,13 @@ class Chunk:
         for slot in slots:
             slot.view = self.full[slot.offset:slot.end].view(slot.shape)
         self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
-        same = master_dtype == compute_dtype
-        self.master = self.shard if same else torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=master_dtype, device=device)
+        state_device = device if state_device is None else state_device
+        self.offloaded = spec.placement != "device"
+        same = master_dtype == compute_dtype and not self.offloaded
+        self.master = self.shard if same else _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
+        self.grad_shard = _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
+        self.pending_update: Optional[Future] = None
+        """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
         self.grad_requiring = {id(s.param) for s in slots if s.param.requires_grad}
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in slots if s.param.requires_grad])
         self.reset_grad_tracking()
@@ -89,8 +97,22 @@ class Chunk:
         check_transition(self.index, self.state, new)
         self.state = new
 
+    @property
+    def placement(self) -> str:
+        return self.spec.placement
+
+    def settle(self) -> None:
+        """Wait for this chunk's offloaded update (its master, shard and gradient are then current).
+
+        An error raised by the update (an NVMe read that failed validation) is raised here.
+        """
+        if self.pending_update is not None:
+            future, self.pending_update = self.pending_update, None
+            future.result()
+
     def start_gather(self, async_op: bool) -> None:
         """FREE -> GATHERING: allocate the block and all-gather the shards into it."""
+        self.settle()
         self._move(ChunkState.GATHERING)
         self.full.untyped_storage().resize_(self.full_bytes)
         self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=async_op)
@@ -146,18 +168,22 @@ class Chunk:
         if not bool(changed.any()):
             return
         if self.master is not self.shard:
-            self.master.copy_(torch.where(changed, own.to(self.master.dtype), self.master))
+            self.settle()
+            kept = self.master.to(own.device)
+            self.master.copy_(torch.where(changed, own.to(self.master.dtype), kept))
         self.shard.copy_(own)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new chunk-sized tensor gathered from every rank's ``shard`` (master, gradient, optimizer state)."""
-        full = torch.empty(self.numel, dtype=shard.dtype, device=shard.device)
-        collectives.all_gather(full, shard, self.group)
+        self.settle()
+        device = self.full.device  # the collectives' device: an offloaded shard travels there first
+        full = torch.empty(self.numel, dtype=shard.dtype, device=device)
+        collectives.all_gather(full, shard.to(device), self.group)
         return full
 
     def write_back_grad(self, full: torch.Tensor) -> None:
         """Keep in-place changes to a gathered gradient (manual clipping) in this rank's shard."""
-        own = full[self.shard_begin:self.shard_begin + self.shard_numel]
+        own = full[self.shard_begin:self.shard_begin + self.shard_numel].to(self.grad_shard.device)
         if not torch.equal(own, self.grad_shard):
             self.grad_shard.copy_(own)
 
@@ -204,6 +230,9 @@ class Chunk:
         assert self._reduce is not None, f"chunk {self.index}: finish_reduce without start_reduce"
         work, out = self._reduce
         work.wait()
+        self.settle()  # an offloaded update may still read the previous step's gradient
+        if out.device != self.grad_shard.device:
+            out = out.to(self.grad_shard.device)
         if accumulate:
             self.grad_shard.add_(out)
         else:
@@ -227,6 +256,11 @@ class Chunk:
         """Copy the updated master shard into the compute-dtype shard that gets gathered."""
         if self.master is not self.shard:
             self.shard.copy_(self.master)
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """A zero tensor; on the host pinned when asked (page-locked memory makes device copies async)."""
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu")
 
 
 def _holes(numel: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -112,7 +112,9 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         full = bool(full_precision.intersection(spec.params))
         compute = policy.master_dtype if full else policy.compute_dtype
         reduce = torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype
-        chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce))
+        state_device = device if spec.placement == "device" else torch.device("cpu")
+        chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
+                            state_device=state_device, pin_memory=device.type == "cuda"))
     _materialize(module, chunks, group, policy.master_dtype)
     for chunk in chunks:
         chunk.release()

@@ -49,6 +49,8 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
                          "and load optimizer state through the strategy's checkpoint loading")
     for group in optimizer.param_groups:
         group["params"] = [runtime.view_param(p) for p in group["params"]]
+    runtime.optimizers.append(optimizer)
+    runtime.offload.attach(optimizer, runtime.view_index())
     return optimizer
 
 
@@ -58,18 +60,19 @@ def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0) -> torch.T
     total = _global_norm(runtime, shards, float(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in shards:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 
 def _global_norm(runtime, shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    device = runtime.device
+    device = runtime.device  # offloaded shards are on the host: each partial result moves to the device
     if math.isinf(norm_type):
-        local = max((g.abs().max().float() for g in shards if g.numel()), default=torch.zeros((), device=device))
+        local = max((g.abs().max().float().to(device) for g in shards if g.numel()),
+                    default=torch.zeros((), device=device))
         return collectives.all_reduce_max(local.reshape(1).clone(), runtime.group)[0]
     local = torch.zeros(1, dtype=torch.float32, device=device)
     for g in shards:
-        local += g.float().abs().pow(norm_type).sum()
+        local += g.float().abs().pow(norm_type).sum().to(device)
     return collectives.all_reduce_sum(local, runtime.group)[0].pow(1.0 / norm_type)
 
 
@@ -83,7 +86,7 @@ def grads_finite(runtime) -> bool:
     """Whether every rank's gradient shards are finite: one answer, agreed by all ranks."""
     bad = torch.zeros(1, dtype=torch.float32, device=runtime.device)
     for g in runtime.grad_shards():
-        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().reshape(1))
+        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().reshape(1).to(bad.device))
     return collectives.all_reduce_max(bad, runtime.group).item() == 0
 
 
@@ -137,7 +140,6 @@ def optimizer_step(runtime, optimizer: Optimizer, clip_norm: float | None = None
         clip_grad_norm_(runtime, clip_norm)
     if clip_value is not None:
         clip_grad_value_(runtime, clip_value)
-    runtime.before_step()
-    optimizer.step()
-    runtime.after_step(stepped=True)
+    with runtime.stepping(optimizer):
+        optimizer.step()
     return True

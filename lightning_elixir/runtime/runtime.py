@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import logging
+from collections.abc import Generator, Iterable
 from typing import Any, Optional, Union
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
@@ -21,6 +22,7 @@ from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.hooks import BackwardCall, ModuleState, WaitKey, in_backward
 from lightning_elixir.runtime import layout
 from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, resolve_specs
+from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_given
 from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
 from lightning_elixir.runtime.policy import PrecisionPolicy
 from lightning_elixir.runtime.states import ChunkState
@@ -44,12 +46,15 @@ class ElixirRuntime:
             allows (a searched plan's prediction was short) instead of raising.
         broadcast_buffers: overwrite every rank's buffers with rank 0's before each forward that
             follows a training forward, as DDP does by default (BatchNorm running statistics).
+        nvme_path: a directory on an NVMe drive for the chunks the plan places on "nvme".
+        nvme_buffers: host page buffers NVMe records are paged through.
     """
 
     def __init__(self, module: nn.Module, plan: Optional[ElixirPlan] = None, *, device: Union[str, torch.device] = "cpu",
                  policy: Optional[PrecisionPolicy] = None, compute_dtype: Optional[torch.dtype] = None,
                  master_dtype: Optional[torch.dtype] = None, group: Optional[Group] = None,
-                 private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True) -> None:
+                 private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True,
+                 nvme_path: Optional[str] = None, nvme_buffers: int = 3) -> None:
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
@@ -60,11 +65,10 @@ class ElixirRuntime:
         self.policy = dataclasses.replace(policy, reduce_in_fp32=policy.reduce_in_fp32 and self.plan.reduce_in_fp32)
         full_precision = self.policy.full_precision_params(module)
         specs = resolve_specs(module, self.plan, self.group.world_size, private_params, full_precision)
-        if any(spec.placement != "device" for spec in specs):
-            raise PlanError("this version runs every chunk's sharded state on the device; "
-                            "set placement='device' for all chunks (CPU/NVMe offload is not available yet)")
+        check_nvme_path_given(specs, nvme_path)  # before any work
         materialize_buffers(module, self.device)
         self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision)
+        self.offload = OffloadEngine(self.chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
         self._buffers = [b for b in module.buffers()]
         layout.broadcast_buffers(self._buffers, self.group)
         self.broadcast_buffers = broadcast_buffers
@@ -85,6 +89,8 @@ class ElixirRuntime:
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
         self._views: dict[int, nn.Parameter] = {}
+        self.optimizers: list[Any] = []
+        """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
         self._grad_valid = {c.index: False for c in self.chunks}
         for chunk in self.chunks:
             for slot in chunk.slots:
@@ -309,6 +315,7 @@ class ElixirRuntime:
         """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
         chunk, slot = self._where[id(param)]
         begin, end = chunk.shard_range(slot)
+        chunk.settle()
         chunk.grad_shard[begin:end].zero_()
         view = self._views.get(id(param))
         if view is not None:
@@ -346,7 +353,23 @@ class ElixirRuntime:
         self.access.flush_grads()
         for chunk in self.chunks:
             if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
-                chunk.write_back()
+                with self.offload.resident(chunk, write=True):
+                    chunk.write_back()
+
+    @contextlib.contextmanager
+    def stepping(self, optimizer: Any) -> Generator[None, None, None]:
+        """Context around the user's ``optimizer.step()``: the offloaded chunks update on the worker
+        (their gradients hidden from the user's step), the rest in the step; shards refreshed after.
+
+        See [Note: offloaded updates] in offload.py.
+        """
+        self.before_step()
+        hidden = self.offload.launch(optimizer)
+        try:
+            yield
+        finally:
+            self.offload.restore(hidden)
+        self.after_step(stepped=True)
 
     def after_step(self, stepped: bool = True) -> None:
         """The optimizer has updated the masters: refresh the shards and mark gathered chunks stale."""
@@ -357,7 +380,8 @@ class ElixirRuntime:
         self.steps += 1
         for chunk in self.chunks:
             chunk.exposed = False  # written back by before_step; the gathered values are stale now
-            chunk.refresh_shard()
+            if not chunk.offloaded:  # offloaded shards are refreshed by their update on the worker
+                chunk.refresh_shard()
         self.release_all()
 
     def release_all(self) -> None:
@@ -379,14 +403,26 @@ class ElixirRuntime:
     # ---- accounting -----------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes the runtime holds on its device and how many chunks are gathered."""
-        shard_bytes = 0
+        """Bytes the runtime holds (device, host, NVMe) and how many chunks are gathered.
+
+        ``param_shard_bytes``, ``device_state_bytes``, ``host_bytes`` and ``nvme_bytes`` are counted
+        as the search's ``MemoryBreakdown`` predicts them (optimizer state as the optimizers hold it).
+        """
+        self.offload.settle()
+        param_shards = sum(c.shard.nbytes for c in self.chunks)
+        device_state = 0
         for c in self.chunks:
-            shard_bytes += c.shard.nbytes + c.grad_shard.nbytes + (0 if c.master is c.shard else c.master.nbytes)
+            if not c.offloaded:
+                device_state += c.grad_shard.nbytes + (0 if c.master is c.shard else c.master.nbytes)
+                device_state += self.optimizer_state_bytes(c)
         block = self.public[0].full_bytes if self.public else 0
         gathered_private = [c for c in self.private if c.state is not ChunkState.FREE]
         return {
-            "shard_bytes": shard_bytes,
+            "param_shard_bytes": param_shards,
+            "device_state_bytes": device_state,
+            "host_bytes": self.offload.host_bytes(),
+            "nvme_bytes": self.offload.nvme_bytes(),
+            "shard_bytes": param_shards + device_state,
             "cache_bytes": len(self.cache.gathered) * block,
             "private_bytes": sum(c.full_bytes for c in gathered_private),
             "cache_blocks": self.cache.capacity,
@@ -395,6 +431,18 @@ class ElixirRuntime:
             "gathers": self.cache.gathers,
             "private_gathers": self.private_gathers,
         }
+
+    def optimizer_state_bytes(self, chunk: Chunk) -> int:
+        """Per-element optimizer state bytes held for a device chunk's views."""
+        total = 0
+        for slot, view in self._chunk_views(chunk):
+            for optimizer_state in self._optimizer_states(view):
+                total += sum(v.nbytes for k, v in optimizer_state.items()
+                             if isinstance(v, torch.Tensor) and k != "step" and v.shape == view.shape)
+        return total
+
+    def _optimizer_states(self, view: nn.Parameter) -> list[dict]:
+        return [opt.state[view] for opt in self.optimizers if view in opt.state]
 
     # ---- giving the module back -------------------------------------------------------------------
 
@@ -414,10 +462,12 @@ class ElixirRuntime:
         self.release_all()
         with torch.no_grad():
             for chunk in self.chunks:
-                full = chunk.gather_full(chunk.master)
+                with self.offload.resident(chunk):
+                    full = chunk.gather_full(chunk.master)
                 for slot in chunk.slots:
                     unchunk_parameter(slot.param)
                     slot.param.data = full[slot.offset:slot.end].view(slot.shape).to(slot.dtype, copy=True)
                     slot.param.grad = None
                 del full
         self.remove_hooks()
+        self.offload.close()

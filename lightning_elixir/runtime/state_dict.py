@@ -20,7 +20,8 @@ def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
     keep = runtime.group.rank == 0 if keep is None else keep
     values: dict[int, torch.Tensor] = {}
     for chunk in runtime.chunks:
-        full = chunk.gather_full(chunk.master)
+        with runtime.offload.resident(chunk):
+            full = chunk.gather_full(chunk.master)
         if keep:
             for slot in chunk.slots:
                 values[id(slot.param)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
@@ -43,7 +44,8 @@ def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = 
     chunked = runtime.param_ids()
     with torch.no_grad():
         for chunk in runtime.chunks:
-            _load_chunk(chunk, source)
+            with runtime.offload.resident(chunk, write=True):
+                _load_chunk(chunk, source)
         for key, value in own.items():
             if key in state_dict and id(value) not in chunked:
                 value.copy_(state_dict[key])
@@ -83,25 +85,31 @@ def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
 def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool] = None) -> dict[str, Any]:
     """A normal torch optimizer state dict: one entry per original parameter, full-shaped tensors."""
     keep = runtime.group.rank == 0 if keep is None else keep
-    sharded = optimizer.state_dict()
+    runtime.offload.settle()
+    sharded = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own (NVMe chunks bind into them)
     entries = _optimizer_views(runtime, optimizer)
     state: dict[int, dict[str, Any]] = {}
     for chunk in runtime.chunks:
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
-        if not members:
-            continue
-        first_i, _, first_view = members[0]
-        keys = sorted(k for k, v in sharded["state"][first_i].items() if _is_per_element(k, v, first_view.shape))
-        for i, slot, view in members:
-            state[i] = {k: _detached(v) for k, v in sharded["state"][i].items() if k not in keys}
-        for key in keys:
-            flat = _shard_buffer(chunk, members, sharded["state"], key)
-            full = chunk.gather_full(flat)
-            for i, slot, _ in members:
-                state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
+        if members:
+            with runtime.offload.resident(chunk):
+                _gather_chunk_state(chunk, members, sharded["state"], state, keep)
     if not keep:
         return {}
     return {"state": state, "param_groups": sharded["param_groups"]}
+
+
+def _gather_chunk_state(chunk: Chunk, members: list, sharded: dict, state: dict, keep: bool) -> None:
+    """Full-shaped optimizer state of one chunk's parameters (every rank gathers, ``keep`` ranks keep)."""
+    first_i, _, first_view = members[0]
+    keys = sorted(k for k, v in sharded[first_i].items() if _is_per_element(k, v, first_view.shape))
+    for i, slot, view in members:
+        state[i] = {k: _detached(v) for k, v in sharded[i].items() if k not in keys}
+    for key in keys:
+        flat = _shard_buffer(chunk, members, sharded, key)
+        full = chunk.gather_full(flat)
+        for i, slot, _ in members:
+            state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
 
 
 def _detached(value: Any) -> Any:
@@ -131,4 +139,8 @@ def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[
         lo = chunk.shard_begin + begin - slot.offset
         state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if _is_per_element(k, v, slot.shape) else v)
                          for k, v in param_state.items()}
+    runtime.offload.settle()
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+    for chunk in runtime.offload.nvme:  # the loaded state goes into the chunks' NVMe records
+        with runtime.offload.resident(chunk, write=True, bind_state=False):
+            pass

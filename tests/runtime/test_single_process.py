@@ -13,6 +13,7 @@ from examples.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
 from lightning_elixir.runtime.cache import CacheTooSmallError
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.params import ChunkedParameter
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.state_dict import (
     full_optimizer_state_dict,
@@ -150,12 +151,13 @@ def test_plan_json_round_trip(tmp_path):
     assert ElixirPlan.from_json(str(tmp_path / "p.json")) == plan
 
 
-def test_offload_placement_is_refused_until_it_exists():
+def test_nvme_placement_without_a_path_is_refused_before_any_work():
     model = _gpt()
-    specs = tuple(ChunkSpec((n,), p.numel(), private=n == "wte.weight", placement="cpu")
+    specs = tuple(ChunkSpec((n,), p.numel(), private=n == "wte.weight", placement="nvme")
                   for n, p in model.named_parameters())
-    with pytest.raises(PlanError, match="offload"):
+    with pytest.raises(PlanError, match="nvme_path"):
         ElixirRuntime(model, ElixirPlan(chunks=specs, world_size=1))
+    assert not any(isinstance(p, ChunkedParameter) for p in model.parameters())
 
 
 def test_state_dicts_round_trip_into_a_fresh_runtime():

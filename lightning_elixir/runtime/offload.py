@@ -1,0 +1,401 @@
+"""Offloaded chunks: sharded state in host memory or on NVMe, updated on a worker thread.
+
+[Note: offloaded updates]
+A chunk placed "cpu" keeps its fp32 master and gradient shards in host memory (pinned on GPU
+machines) and its optimizer state where torch creates it, next to the master. A chunk placed
+"nvme" keeps master and optimizer state in one record per chunk under ``nvme_path`` (one file,
+written and read whole, validated on read: runtime/nvme.py); its gradient shard stays in host
+memory because every micro-batch writes it.
+
+The reduce-scatter of an offloaded chunk lands its gradient in the host shard at the end of
+backward. When the optimizer steps, the user's ``optimizer.step()`` updates the device chunks on
+the main thread and the offloaded chunks are handed to one worker thread, in the order the next
+forward needs them (private chunks, then public chunks in first-use order). Per chunk the worker
+reads the NVMe record (the next chunk's read is issued before this chunk's update: read-ahead),
+runs the chunk's shadow optimizer ([Note: shadow optimizers] in shadow.py), copies the updated
+master into the chunk's compute-dtype shard on the device, and writes the record back in the
+background (write-behind). The next forward does not wait for the whole update: each chunk's
+gather waits for that chunk only (``Chunk.settle``), so the update hides behind the device step,
+the loop's bookkeeping and the next forward up to the chunk's first use. The offloaded chunks are
+the ones reduced first in backward, which are the ones the forward needs last.
+
+Exact semantics: the update starts only once the step is taken, after gradient clipping, the fp16
+overflow decision, ``on_before_optimizer_step`` hooks and with the hyperparameters of that moment
+(an LR scheduler that steps afterwards does not reach it). Nothing is speculative and nothing is
+rolled back; the price is that the update cannot overlap the backward that produced the
+gradients, only what follows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Generator, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.profiler import record_function
+from torch.optim import Optimizer
+
+from lightning_elixir.plan import ChunkSpec, PlanError
+from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.nvme import NvmeStore, Page
+from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
+
+log = logging.getLogger(__name__)
+
+_FIELD_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where each field of an NVMe chunk's record lies: the master first, then per-element optimizer state."""
+
+    fields: tuple[tuple[str, torch.dtype], ...]
+    """(name, dtype) of each field; every field has ``numel`` elements."""
+    numel: int
+    """Elements per field: the chunk's shard numel."""
+
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for _, dtype in self.fields:
+            out.append(at)
+            at += _round_up(self.numel * _itemsize(dtype), _FIELD_ALIGN_BYTES)
+        return out + [at]
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets()[-1]
+
+    def views(self, data: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of a page's bytes, one per field."""
+        offsets = self.offsets()
+        return {name: data[offsets[i]:offsets[i] + self.numel * _itemsize(dtype)].view(dtype)
+                for i, (name, dtype) in enumerate(self.fields)}
+
+
+@dataclass
+class _Job:
+    """One chunk's update in a launched step."""
+
+    chunk: Chunk
+    shadow: Shadow
+    hypers: list[dict[str, Any]]
+    grads: list[Optional[torch.Tensor]]
+    future: Future = field(default_factory=Future)
+
+
+class OffloadEngine:
+    """Runs the offloaded chunks of a runtime (see [Note: offloaded updates]).
+
+    Args:
+        chunks: every chunk of the runtime; those placed "cpu" or "nvme" are handled here.
+        device: the training device (copies to it are waited for before an update counts as done).
+        rank: this process's rank (NVMe files are per rank).
+        nvme_path: directory for NVMe records; required when a chunk is placed "nvme".
+        nvme_buffers: page buffers for NVMe records (one updating, one reading ahead, one writing).
+    """
+
+    def __init__(self, chunks: list[Chunk], device: torch.device, rank: int, nvme_path: Optional[str] = None,
+                 nvme_buffers: int = 3) -> None:
+        self.chunks = sorted((c for c in chunks if c.offloaded), key=lambda c: (not c.private, c.index))
+        self.nvme = [c for c in self.chunks if c.placement == "nvme"]
+        check_nvme_path_given([c.spec for c in chunks], nvme_path)
+        self.device = device
+        self.rank = rank
+        self.nvme_path = nvme_path
+        self.nvme_buffers = nvme_buffers
+        self.optimizers: list[Optimizer] = []
+        self.shadows: dict[tuple[int, int], Shadow] = {}
+        self.members: dict[int, list[tuple[Slot, nn.Parameter]]] = {c.index: [] for c in self.chunks}
+        """Per offloaded chunk: every (slot, view) whose data is its master (user and shadow views)."""
+        self.user_views: dict[int, list[tuple[Slot, nn.Parameter]]] = {c.index: [] for c in self.chunks}
+        self.owner: dict[int, Optimizer] = {}
+        """id(user view) -> the optimizer whose state holds it."""
+        self.store: Optional[NvmeStore] = None
+        self.layout_fields: tuple[tuple[str, torch.dtype], ...] = ()
+        self.on_disk: set[int] = set()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="elixir-offload") if self.chunks else None
+        self.update_s = 0.0
+        self.updates = 0
+        if self.nvme:
+            self._relayout((("master", self.nvme[0].master.dtype),))
+
+    # ---- optimizers -------------------------------------------------------------------------------
+
+    def attach(self, optimizer: Optimizer, view_index: dict[int, tuple[Chunk, Slot]]) -> None:
+        """Make shadows for ``optimizer``'s views of offloaded chunks; extend the NVMe records by its state."""
+        self.settle()
+        by_chunk: dict[int, list[tuple[int, nn.Parameter, nn.Parameter]]] = {}
+        for g, view in views_of(optimizer):
+            chunk, slot = view_index[id(view)]
+            if not chunk.offloaded:
+                continue
+            begin, end = chunk.shard_range(slot)
+            shadow_view = nn.Parameter(chunk.master[begin:end], requires_grad=view.requires_grad)
+            by_chunk.setdefault(chunk.index, []).append((g, view, shadow_view))
+            self.members[chunk.index] += [(slot, view), (slot, shadow_view)]
+            self.user_views[chunk.index].append((slot, view))
+            self.owner[id(view)] = optimizer
+        if not by_chunk:
+            return
+        self.optimizers.append(optimizer)
+        for index, members in by_chunk.items():
+            self.shadows[(id(optimizer), index)] = Shadow(optimizer, members, fused_when_unset=self.device.type != "cpu")
+        if self.nvme:
+            known = dict(self.layout_fields)
+            extra = {k: d for k, d in per_element_keys(optimizer).items() if k not in known}
+            if extra:
+                self._relayout(self.layout_fields + tuple(extra.items()))
+
+    def launch(self, optimizer: Optimizer) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Hand ``optimizer``'s offloaded chunks to the worker; hide their gradients from its own step.
+
+        Returns the (user view, gradient) pairs hidden; ``restore`` puts them back after the step.
+        """
+        jobs, hidden = [], []
+        for chunk in self.chunks:
+            shadow = self.shadows.get((id(optimizer), chunk.index))
+            if shadow is None:
+                continue
+            grads = [view.grad for view in shadow.user_views]
+            if all(g is None for g in grads):
+                continue
+            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads))
+            hidden += [(view, g) for view, g in zip(shadow.user_views, grads) if g is not None]
+        for view, _ in hidden:
+            view.grad = None
+        for job in jobs:
+            job.chunk.pending_update = job.future
+        if jobs:
+            assert self._worker is not None
+            self._worker.submit(self._run, jobs)
+        return hidden
+
+    @staticmethod
+    def restore(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Give the user's views back the gradients ``launch`` hid."""
+        for view, grad in hidden:
+            view.grad = grad
+
+    def settle(self) -> None:
+        """Wait for every offloaded update in flight."""
+        for chunk in self.chunks:
+            chunk.settle()
+
+    # ---- the worker --------------------------------------------------------------------------------
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Update the chunks of one step in order, reading NVMe records one chunk ahead."""
+        reads: dict[int, Future] = {}
+        try:
+            for i, job in enumerate(jobs):
+                self._read_ahead(jobs[i:i + 2], reads)
+                self._update(job, reads.pop(job.chunk.index, None))
+                job.future.set_result(None)
+        except BaseException as err:  # noqa: BLE001 (handed to the main thread through the futures)
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(err)
+            for read in reads.values():
+                with contextlib.suppress(BaseException):
+                    self._release(read.result())
+
+    def _read_ahead(self, jobs: list[_Job], reads: dict[int, Future]) -> None:
+        for job in jobs:
+            index = job.chunk.index
+            if index in self.on_disk and index not in reads:
+                assert self.store is not None
+                reads[index] = self.store.read(index, self.store.acquire())
+
+    def _update(self, job: _Job, read: Optional[Future]) -> None:
+        chunk = job.chunk
+        start = time.perf_counter()
+        with record_function("Elixir::offloaded_update"):
+            page = read.result() if read is not None else None
+            fields = self._bind(chunk, page, state=True) if page is not None else None
+            job.shadow.step(job.hypers, job.grads)
+            if fields is not None:
+                self._capture(chunk, fields)
+            chunk.refresh_shard()
+            if self.device.type != "cpu":
+                torch.accelerator.current_stream(self.device).synchronize()
+            if page is not None:
+                self._unbind(chunk)
+                assert self.store is not None
+                self.store.write(chunk.index, page, release=True)
+        self.update_s += time.perf_counter() - start
+        self.updates += 1
+
+    # ---- NVMe records ------------------------------------------------------------------------------
+
+    def layout(self, chunk: Chunk, fields: Optional[tuple[tuple[str, torch.dtype], ...]] = None) -> RecordLayout:
+        return RecordLayout(fields or self.layout_fields, chunk.shard_numel)
+
+    @contextlib.contextmanager
+    def resident(self, chunk: Chunk, write: bool = False, bind_state: bool = True) -> Generator[None, None, None]:
+        """Context: ``chunk``'s master (and optimizer state) in host memory; written back with ``write``.
+
+        For a chunk that is not on NVMe it only waits for the chunk's update. ``bind_state=False``
+        keeps the optimizer's own state tensors (just loaded) and writes them into the record.
+        """
+        chunk.settle()
+        if chunk.index not in self.on_disk:
+            yield
+            return
+        assert self.store is not None
+        page = self.store.read(chunk.index, self.store.acquire()).result()
+        fields = self._bind(chunk, page, state=bind_state)
+        try:
+            yield
+        finally:
+            if write:
+                self._capture(chunk, fields)
+            self._unbind(chunk)
+            if write:
+                self.store.write(chunk.index, page, release=True).result()
+            else:
+                self.store.release(page)
+
+    def _bind(self, chunk: Chunk, page: Page, state: bool) -> dict[str, torch.Tensor]:
+        """Point the chunk's master, its views and (with ``state``) their optimizer state at a page."""
+        fields = self.layout(chunk).views(page.data)
+        chunk.master = fields["master"]
+        self._point(chunk, fields, state)
+        return fields
+
+    def _unbind(self, chunk: Chunk) -> None:
+        """The page is about to be reused: point master, views and state at NaN placeholders."""
+        placeholders = {name: _placeholder(dtype, chunk.shard_numel) for name, dtype in self.layout_fields}
+        chunk.master = placeholders["master"]
+        self._point(chunk, placeholders, state=True)
+
+    def _point(self, chunk: Chunk, fields: dict[str, torch.Tensor], state: bool) -> None:
+        for slot, view in self.members[chunk.index]:
+            begin, end = chunk.shard_range(slot)
+            view.data = fields["master"][begin:end]
+        if not state:
+            return
+        for slot, view, values in self._states(chunk):
+            begin, end = chunk.shard_range(slot)
+            for key in values:
+                if key in fields and key != "master":
+                    values[key] = fields[key][begin:end]
+
+    def _capture(self, chunk: Chunk, fields: dict[str, torch.Tensor]) -> None:
+        """Copy optimizer state the step created (or a load replaced) into the page, and point at it."""
+        for slot, view, values in self._states(chunk):
+            begin, end = chunk.shard_range(slot)
+            for key, value in list(values.items()):
+                if not (isinstance(value, torch.Tensor) and key != "step" and value.shape == view.shape):
+                    continue
+                if key not in fields:
+                    raise RuntimeError(f"the optimizer created per-element state {key!r} that its probe did not show; "
+                                       "place this chunk on 'cpu' instead of 'nvme'")
+                region = fields[key][begin:end]
+                if value.data_ptr() != region.data_ptr() or value.numel() == 0:
+                    region.copy_(value)
+                    values[key] = region
+
+    def _states(self, chunk: Chunk) -> Iterable[tuple[Slot, nn.Parameter, dict[str, Any]]]:
+        for slot, view in self.user_views[chunk.index]:
+            values = self.owner[id(view)].state.get(view)
+            if values:
+                yield slot, view, values
+
+    def _relayout(self, fields: tuple[tuple[str, torch.dtype], ...]) -> None:
+        """Write every NVMe chunk's record in a new layout (new optimizer state), in a new store."""
+        assert self.nvme_path is not None
+        old, old_fields = self.store, self.layout_fields
+        new = NvmeStore(self.nvme_path, self.rank, buffers=self.nvme_buffers, pin_memory=self.device.type == "cuda")
+        for chunk in self.nvme:
+            new.define(chunk.index, self.layout(chunk, fields).nbytes)
+        new.reserve()
+        for chunk in self.nvme:
+            page = new.acquire()
+            page.data.zero_()
+            target = self.layout(chunk, fields).views(page.data)
+            if chunk.index in self.on_disk:
+                assert old is not None
+                old_page = old.read(chunk.index, old.acquire()).result()
+                for name, values in self.layout(chunk, old_fields).views(old_page.data).items():
+                    target[name].copy_(values)
+                old.release(old_page)
+            else:
+                target["master"].copy_(chunk.master)
+            new.write(chunk.index, page, release=True)
+        new.flush()
+        self.store, self.layout_fields = new, fields
+        if old is not None:
+            old.close()
+        for chunk in self.nvme:
+            self.on_disk.add(chunk.index)
+            self._unbind(chunk)
+
+    def _release(self, page: Page) -> None:
+        assert self.store is not None
+        self.store.release(page)
+
+    # ---- accounting and shutdown ------------------------------------------------------------------
+
+    def state_bytes(self, chunk: Chunk) -> int:
+        """Bytes of per-element optimizer state the user's optimizers hold for ``chunk`` in memory."""
+        if chunk.index in self.on_disk:
+            return 0
+        return sum(v.numel() * v.element_size() for _, view, values in self._states(chunk)
+                   for k, v in values.items() if isinstance(v, torch.Tensor) and k != "step" and v.shape == view.shape)
+
+    def host_bytes(self) -> int:
+        """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages."""
+        total = self.store.host_bytes if self.store is not None else 0
+        for chunk in self.chunks:
+            total += chunk.grad_shard.nbytes
+            if chunk.index not in self.on_disk:
+                total += chunk.master.nbytes + self.state_bytes(chunk)
+        return total
+
+    def nvme_bytes(self) -> int:
+        """Bytes of the NVMe files."""
+        if self.store is None:
+            return 0
+        return sum(entry.stat().st_size for entry in os.scandir(self.store.path) if entry.is_file())
+
+    def close(self) -> None:
+        """Finish in-flight updates, stop the worker, remove the NVMe files."""
+        try:
+            self.settle()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+
+def check_nvme_path_given(specs: Iterable[ChunkSpec], nvme_path: Optional[str]) -> None:
+    """Raise ``PlanError`` when the plan places chunks on NVMe and no path says where."""
+    count = sum(spec.placement == "nvme" for spec in specs)
+    if count and nvme_path is None:
+        raise PlanError(f"the plan places {count} chunk(s) on 'nvme' but no nvme_path was given: pass "
+                        "ElixirStrategy(nvme_path=<a directory on the NVMe drive>), or place them on 'cpu'")
+
+
+def _placeholder(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One value expanded to ``numel``: NaN for floats (a stray read shows), zero otherwise."""
+    fill = math.nan if dtype.is_floating_point else 0
+    return torch.full((1,), fill, dtype=dtype).expand(numel)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
