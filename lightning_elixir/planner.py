@@ -53,6 +53,19 @@ needs ``plan="zero3"`` or an explicit plan."""
 
 
 @dataclass(frozen=True)
+class OffloadSettings:
+    """Where plan="auto" may place sharded state besides the device."""
+
+    allow_cpu: bool = True
+    """Host memory (pinned on GPU machines)."""
+    nvme_path: Optional[str] = None
+    """A directory on an NVMe drive; None: no NVMe placement."""
+    host_memory_limit: MemoryLimit = None
+    """Host memory offloaded state may use: bytes, "64GiB" or a fraction of the host's memory
+    (shared by the ranks of a machine). Default: 80% of what is available when planning."""
+
+
+@dataclass(frozen=True)
 class PlanningResult:
     """What planning produced, kept on the strategy for logging and inspection."""
 
@@ -156,15 +169,27 @@ def budget_bytes(device: torch.device, limit: MemoryLimit, local_world_size: int
     return total if limit is None else parse_memory_limit(limit, total)
 
 
+def host_memory_bytes(limit: MemoryLimit, local_world_size: int) -> int:
+    """Host memory one rank may fill with offloaded state: ``host_memory_limit`` of the host's memory,
+    or by default 80% of what is available now, shared by the ranks of this machine."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if limit is not None:
+        return parse_memory_limit(limit, total) // max(local_world_size, 1)
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(0.8 * available) // max(local_world_size, 1)
+
+
 def measure_hardware(device: torch.device, group: Group, compute_dtype: torch.dtype,
-                     hardware: Optional[Union[HardwareProfile, str]]) -> HardwareProfile:
-    """The user's HardwareProfile (object or JSON path), or one measured on this process group."""
+                     hardware: Optional[Union[HardwareProfile, str]],
+                     nvme_path: Optional[str] = None) -> HardwareProfile:
+    """The user's HardwareProfile (object or JSON path), or one measured on this process group
+    (with the NVMe drive at ``nvme_path``, when given)."""
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware is not None:
         return HardwareProfile.from_json(hardware)
     return profile_hardware(
-        device, world_size=group.world_size, compute_dtype=compute_dtype,
+        device, world_size=group.world_size, compute_dtype=compute_dtype, nvme_path=nvme_path,
         all_gather=lambda out, inp: collectives.all_gather(out, inp, group),
         reduce_scatter=lambda out, inp: collectives.reduce_scatter(out, inp, group))
 
@@ -173,7 +198,8 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
                        compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
                        memory_limit: MemoryLimit = None, local_world_size: int = 1,
                        hardware: Optional[Union[HardwareProfile, str]] = None, step_fn: Optional[StepFn] = None,
-                       backward: bool = True, private_params: Iterable[str] = ()) -> PlanningResult:
+                       backward: bool = True, private_params: Iterable[str] = (),
+                       offload: Optional[OffloadSettings] = None) -> PlanningResult:
     """Profile one step of ``module`` on ``batch``, search and agree on a plan. Call on every rank.
 
     Args:
@@ -190,6 +216,7 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
         step_fn: ``step_fn(module, batch)``; default: ``profile_model``'s.
         backward: False for a forward-only step.
         private_params: Names that get a private chunk besides those the profile finds shared.
+        offload: Where sharded state may go besides the device (default: host memory, no NVMe).
 
     Returns:
         The plan and how it was found. When the step cannot be traced, ``FALLBACK_PLAN`` with a
@@ -200,14 +227,15 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
 
     return _plan(trace, "the step", device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
-                 local_world_size=local_world_size, hardware=hardware, private_params=private_params)
+                 local_world_size=local_world_size, hardware=hardware, private_params=private_params,
+                 offload=offload)
 
 
 def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
                      compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
                      memory_limit: MemoryLimit = None, local_world_size: int = 1,
                      hardware: Optional[Union[HardwareProfile, str]] = None,
-                     private_params: Iterable[str] = ()) -> PlanningResult:
+                     private_params: Iterable[str] = (), offload: Optional[OffloadSettings] = None) -> PlanningResult:
     """``plan_automatically`` for the stage ``trainer`` runs, on a batch of that stage's data.
 
     See [Note: planning per stage]. Taking the batch is part of the trace: a stage without data
@@ -223,16 +251,20 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
     micro_batches = trainer.accumulate_grad_batches if step.backward else 1
     return _plan(trace, step.hook, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
-                 local_world_size=local_world_size, hardware=hardware, private_params=private_params)
+                 local_world_size=local_world_size, hardware=hardware, private_params=private_params,
+                 offload=offload)
 
 
 def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device, group: Group,
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,
-          hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = ()) -> PlanningResult:
+          hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = (),
+          offload: Optional[OffloadSettings] = None) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
+    offload = offload or OffloadSettings()
     with preserved_rng(cuda=device.type == "cuda"):
-        hw = measure_hardware(device, group, compute_dtype, hardware)  # collective: before anything may fail
+        # collective: before anything may fail
+        hw = measure_hardware(device, group, compute_dtype, hardware, offload.nvme_path)
         budget = budget_bytes(device, memory_limit, local_world_size)
         try:
             profile = trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw, device=device,
@@ -246,7 +278,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
             _warn_fallback(what, reason)
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason)
         profile = _with_private(profile, private_params)
-        options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype)
+        options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
         plan, report = search(profile, hw, budget, options)
         return PlanningResult(_agree(plan, group), report, profile, hw, budget)
 
@@ -276,9 +308,9 @@ def _warn_fallback(what: str, reason: str) -> None:
     )
 
 
-def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
-             autocast_dtype: Optional[torch.dtype]) -> SearchOptions:
-    """Search options that describe what the runtime will do with this precision."""
+def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
+             offload: OffloadSettings, local_world_size: int) -> SearchOptions:
+    """Search options that describe what the runtime will do with this precision and offload settings."""
     true_low_precision = autocast_dtype is None and compute_dtype != torch.float32
     return SearchOptions(
         world_size=world_size, micro_batches=micro_batches,
@@ -286,7 +318,8 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
         grad_bytes_per_numel=2 if true_low_precision else 4,
         optimizer_bytes_per_numel=4 if true_low_precision else 8,
         reduce_in_fp32=not true_low_precision,
-        allow_cpu=False, nvme_available=False)  # offload is not in the runtime yet: state stays on the device
+        allow_cpu=offload.allow_cpu, nvme_available=offload.nvme_path is not None,
+        host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
 
 
 def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:

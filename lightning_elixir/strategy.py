@@ -35,11 +35,12 @@ from typing_extensions import override
 
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
-from lightning_elixir.planner import PlanningResult, plan_for_trainer
+from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -92,6 +93,12 @@ class ElixirStrategy(ParallelStrategy):
             "40GiB", or a fraction of the device's memory. Default: all of it.
         hardware_profile: a HardwareProfile (or a path to its JSON) to plan with instead of
             measuring this machine, e.g. to plan for a GPU cluster from a laptop.
+        nvme_path: a directory on an NVMe drive. plan="auto" may then place chunks' sharded state
+            (master and optimizer states) there, and plans with "nvme" chunks need it. Checked at
+            construction; each rank's files live in a directory of their own under it and are
+            removed at teardown (and by the next run, after a crash).
+        host_memory_limit: host memory plan="auto" may fill with offloaded state, per machine:
+            bytes, "64GiB" or a fraction of the host's memory. Default: 80% of what is available.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -112,6 +119,8 @@ class ElixirStrategy(ParallelStrategy):
     def __init__(self, plan: PlanInput = "auto", private_params: tuple[str, ...] = (),
                  device_memory_limit: Union[int, float, str, None] = None,
                  hardware_profile: Union[HardwareProfile, str, None] = None,
+                 nvme_path: Union[str, os.PathLike, None] = None,
+                 host_memory_limit: Union[int, float, str, None] = None,
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -144,6 +153,13 @@ class ElixirStrategy(ParallelStrategy):
                 raise TypeError(f"hardware_profile must be a HardwareProfile or the path of its JSON file, "
                                 f"got {type(hardware_profile).__name__}")
         self.hardware_profile = hardware_profile
+        self.nvme_path = None if nvme_path is None else str(check_nvme_path(nvme_path))
+        if host_memory_limit is not None:
+            check_memory_limit(host_memory_limit)
+            if fixed:
+                raise ValueError(f"host_memory_limit={host_memory_limit!r} is used by plan='auto' to choose a plan "
+                                 f"and has no effect on {fixed}: remove it, or use plan='auto'")
+        self.host_memory_limit = host_memory_limit
         if process_group_backend is not None and (not isinstance(process_group_backend, str)
                                                   or not process_group_backend.strip()):
             raise ValueError(f"process_group_backend={process_group_backend!r}: use a torch.distributed backend "
@@ -254,11 +270,13 @@ class ElixirStrategy(ParallelStrategy):
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
         plan = self._plan_for(trainer)
+        placed = ", ".join(f"{sum(c.placement == p for c in plan.chunks)} {p}" for p in ("device", "cpu", "nvme"))
         rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
-                       f"prefetch_depth={plan.prefetch_depth}")
+                       f"prefetch_depth={plan.prefetch_depth}" + (f", sharded state: {placed}" if plan.offloads else ""))
         return ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
                              group=Group.default(), private_params=self.private_params,
-                             grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers)
+                             grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
+                             nvme_path=self.nvme_path)
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
@@ -269,7 +287,8 @@ class ElixirStrategy(ParallelStrategy):
             self.model, trainer, device=self.root_device, group=Group.default(),
             compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
             memory_limit=self.device_memory_limit, local_world_size=self.num_processes,
-            hardware=self.hardware_profile, private_params=self.private_params)
+            hardware=self.hardware_profile, private_params=self.private_params,
+            offload=OffloadSettings(nvme_path=self.nvme_path, host_memory_limit=self.host_memory_limit))
         if self.planning.report is not None:  # None: the step could not be traced and planning warned why
             rank_zero_info(self.planning.report.summary())
         return self.planning.plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -14,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_elixir
 from examples.gpt import BigramDataModule, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
+from lightning_elixir.runtime.layout import resolve_specs
 from tests.distributed import free_port
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -184,3 +186,41 @@ def test_teardown_gives_the_module_back_or_keeps_the_shards_when_asked():
         sharded.layer.weight.sum()
     with trainer.strategy.gathered_params():
         torch.testing.assert_close(sharded.layer.weight.detach(), reference.layer.weight.detach())
+
+
+def _placed(placements: tuple[str, ...]) -> ElixirPlan:
+    """The default packing of the test GPT on 2 ranks, chunk i placed at placements[i % len]."""
+    specs = resolve_specs(GPTLightningModule(**MODEL), ElixirPlan(chunk_numel=4097), world_size=2)
+    chunks = tuple(dataclasses.replace(s, placement=placements[i % len(placements)]) for i, s in enumerate(specs))
+    return ElixirPlan(chunks=chunks, world_size=2, cache_blocks=3)
+
+
+def test_offloaded_plan_trains_through_the_trainer_as_the_device_plan(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    logs = {}
+    for name, placements in (("device", ("device",)), ("mixed", ("cpu", "device", "nvme"))):
+        log = tmp_path / f"{name}.jsonl"
+        L.seed_everything(0)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, save_top_k=0)
+        strategy = ElixirStrategy(plan=_placed(placements), start_method="spawn", nvme_path=nvme)
+        _trainer(tmp_path / name, strategy, 1, [LossRecorder(str(log)), ckpt], gradient_clip_val=0.5).fit(
+            GPTLightningModule(**MODEL), BigramDataModule(**DATA))
+        logs[name] = _losses(log)
+        logs[name + "-state"] = torch.load(tmp_path / name / "last.ckpt", weights_only=False)["state_dict"]
+    assert [s for s, _ in logs["mixed"]] == [s for s, _ in logs["device"]] == [1, 2, 3]
+    for (_, a), (_, b) in zip(logs["mixed"], logs["device"]):
+        assert a == pytest.approx(b, rel=1e-6)
+    for key, ref in logs["device-state"].items():
+        torch.testing.assert_close(logs["mixed-state"][key], ref, rtol=1e-6, atol=1e-7)
+    assert not any(nvme.iterdir()), "teardown leaves no NVMe files"
+
+
+def test_an_unusable_nvme_path_fails_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=str(tmp_path / "missing")):
+        ElixirStrategy(nvme_path=tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=str(tmp_path / "file")):
+        ElixirStrategy(nvme_path=tmp_path / "file")
+    with pytest.raises(ValueError, match="host_memory_limit"):
+        ElixirStrategy(plan="zero3", host_memory_limit="1GiB")

@@ -124,8 +124,12 @@ def profile_hardware(
     if not _usable_on_every_rank(cached, all_gather, world_size, device):
         cached = None
     profile = cached or measure_hardware(device, key, sizes, all_gather, reduce_scatter, nvme_path)
+    measured_nvme = cached is not None and nvme_path is not None and not cached.nvme_read_bytes_per_s > 0
+    if measured_nvme:  # cached without an NVMe path: measure the drive only (no collectives involved)
+        read, write = bench.nvme_bytes_per_s(nvme_path, sizes.nvme_bytes)
+        profile = dataclasses.replace(profile, nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write)
     profile = _slowest_rank(profile, all_gather, world_size, device)
-    if cached is None:
+    if cached is None or measured_nvme:
         write_cache(path, profile)
     return profile
 

@@ -50,9 +50,6 @@ from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
 
 log = logging.getLogger(__name__)
 
-_FIELD_ALIGN_BYTES = 64
-
-
 @dataclass(frozen=True)
 class RecordLayout:
     """Where each field of an NVMe chunk's record lies: the master first, then per-element optimizer state."""
@@ -63,10 +60,13 @@ class RecordLayout:
     """Elements per field: the chunk's shard numel."""
 
     def offsets(self) -> list[int]:
+        """Byte offset of each field, then the record's size: fields back to back, each aligned to its
+        own element size (fp32 master and fp32 state: no gaps, the bytes the search counts)."""
         out, at = [], 0
         for _, dtype in self.fields:
+            at = _round_up(at, _itemsize(dtype))
             out.append(at)
-            at += _round_up(self.numel * _itemsize(dtype), _FIELD_ALIGN_BYTES)
+            at += self.numel * _itemsize(dtype)
         return out + [at]
 
     @property

@@ -1,8 +1,8 @@
 """Cost model: the predicted seconds of one optimizer step, from the measured HardwareProfile.
 
 [Note: overlap]
-Every overlap assumption of the search lives in ``timeline``, ``step_time_s`` and ``overlapped_s``
-below:
+Every overlap assumption of the search lives here and in ``timeline``, ``step_cost``,
+``exposed_host_s``, ``step_time_s``, ``overlapped_s`` and ``host_floor_s`` below:
 
 1. Forward/backward (``timeline``). One compute stream and one communication stream; collectives
    run one at a time in issue order (NCCL serialises them on its stream).
@@ -32,14 +32,40 @@ below:
 2. Host traffic. The fp32 gradient shard of an offloaded chunk is copied to the host on its own copy
    stream after every reduce-scatter of that chunk (one at a time, in completion order), so it
    overlaps the rest of the backward; the last copies are exposed.
-3. Optimizer (``step_time_s``). The device optimizer runs after the backward. The host part (CPU
-   AdamW on offloaded shards, NVMe read and write-back of master and optimizer states, and the
-   upload of the updated compute-dtype shards) starts when the device optimizer and the last
-   gradient copy are done, and is a per-chunk pipeline whose slowest stage sets its time (fill and
-   drain ignored). We do not overlap the host step with the device step: the device step is short,
-   and counting them in sequence makes offloading a strict cost, so the search offloads only
-   when memory forces it. The runtime uploads updated shards lazily on the next gather; we charge
-   the upload here, where it overlaps the CPU updates of later chunks in the same way.
+3. Optimizer and host updates (``step_cost``). The device optimizer runs after the backward, so the
+   device is ready for the next step at ``next_start = max(forward/backward + device optimizer,
+   last gradient copy)``. The host updates of the offloaded chunks run on one worker thread,
+   launched at ``max(forward/backward, last gradient copy)`` (the optimizer step is called after the
+   backward and the device optimizer is only issued), one chunk after another in the order in which
+   the next forward first needs them (``Timeline.update_order``: private chunks first, then by
+   first access). Chunk c's update takes the worker
+       period_c = cpu optimizer_c + upload_c                           (cpu chunk)
+       period_c = max(cpu optimizer_c + upload_c, NVMe read_c + write_c)  (nvme chunk)
+   a pipeline in which reading the next record ahead and writing the last one behind overlap the
+   update (fill and drain ignored); done_c is the launch plus the periods up to and including c.
+   The next step does not wait for all updates: chunk c's first all-gather waits for its own update
+   only, and then still takes its gather time. Its update is hidden if it is done by
+       deadline_c = next_start + max(first_use_c - gather_c, 0)
+   where first_use_c is when the first access that needs c starts in the first micro-batch
+   (``Timeline.first_use_s``: 0 for private chunks, gathered at the start; the end of the schedule
+   for a chunk no access needs). A stall at one chunk delays everything after it, so a step pays
+   the worst one:
+       exposed host = max(0, max over offloaded c of (done_c - deadline_c))
+       step = next_start + exposed host
+   In steady state every update is done before its chunk's first use, so the next step's gradient
+   copies and updates never queue behind this step's. First uses stay on the schedule's clock (not
+   stretched by contention), which can only make deadlines earlier. Left out: uploads and host
+   updates running beside the next step's compute and copies take nothing from them (PCIe and host
+   memory bandwidth are shared in truth).
+   On a CPU-only machine (``HardwareProfile.device_name == "cpu"``, ``hides_host_work``) the host is
+   the device: a host update running beside compute takes the cores the compute needs, so nothing
+   hides, and the whole worker time is exposed after ``next_start`` (strictly sequential).
+4. Lower bound (``host_floor_s``). With W the worker's time (sum of periods) and D the gradient
+   copies of a step: the copy stream runs D before ``next_start``, so every step takes at least D.
+   Where host work can hide, the last update ends at launch + W >= forward/backward + W and its
+   deadline is at most ``next_start`` + the schedule's end <= ``next_start`` + forward/backward,
+   so step >= W (one worker cannot do more than one step's worth of updates per step): the floor is
+   max(D, W). Where it cannot, step >= D + W.
 """
 
 from __future__ import annotations
@@ -97,10 +123,21 @@ class Timeline:
     contention_s: float
     """Compute seconds lost to the collectives that run beside it: ``(1 - comm_overlap)`` of the
     communication the schedule hides (see [Note: overlap]); not in ``end_s``."""
+    first_use_s: tuple[float, ...]
+    """Per chunk, when the first access that needs it starts in the first micro-batch, on the
+    schedule's clock: 0 for private chunks (gathered at the start), ``end_s`` for a chunk no access
+    needs."""
+    update_order: tuple[int, ...]
+    """Chunks in the order the host worker updates them: private first, then by first use (ties:
+    lower index)."""
 
     def __post_init__(self) -> None:
         if min(self.end_s, self.compute_s, self.all_gather_s, self.reduce_scatter_s, self.contention_s) < 0:
             raise ValueError("a timeline's times must be >= 0")
+        if any(not 0.0 <= t <= self.end_s for t in self.first_use_s):
+            raise ValueError("a chunk's first use must lie within the schedule")
+        if sorted(self.update_order) != list(range(len(self.first_use_s))):
+            raise ValueError("update_order must list every chunk once")
 
     @property
     def forward_backward_s(self) -> float:
@@ -134,6 +171,10 @@ class CostBreakdown:
     """NVMe reads and writes of offloaded states."""
     h2d_s: float
     """Uploads of updated parameter shards."""
+    host_work_s: float
+    """The host worker's busy time: every offloaded chunk's update, upload and NVMe paging."""
+    exposed_host_s: float
+    """Host work the next step waits for (the rest hides; see [Note: overlap])."""
     step_s: float
     """The predicted step time."""
 
@@ -143,9 +184,9 @@ class CostBreakdown:
                 raise ValueError(f"CostBreakdown.{name} must be >= 0, got {value}")
 
     @property
-    def host_s(self) -> float:
-        """The host pipeline after the backward: its slowest stage."""
-        return max(self.cpu_optimizer_s, self.nvme_s, self.h2d_s)
+    def exposed_copy_s(self) -> float:
+        """Gradient copies still running when the device optimizer is done."""
+        return max(self.copy_done_s - self.forward_backward_s - self.device_optimizer_s, 0.0)
 
     @property
     def exposed_communication_s(self) -> float:
@@ -169,10 +210,19 @@ class PlacementCost:
     """NVMe paging of NVMe-placed shards."""
     h2d_s: float
     """Uploads of updated parameter shards."""
+    worker_s: tuple[float, ...]
+    """Per chunk: the host worker's time on its update (0 on the device; see [Note: overlap])."""
 
     def __post_init__(self) -> None:
         if min(self.d2h_s, self.device_optimizer_s, self.cpu_optimizer_s, self.nvme_s, self.h2d_s) < 0:
             raise ValueError("a placement's times must be >= 0")
+        if len(self.worker_s) != len(self.offloaded) or min(self.worker_s, default=0.0) < 0:
+            raise ValueError("a placement needs one worker time >= 0 per chunk")
+
+    @property
+    def host_work_s(self) -> float:
+        """The host worker's busy time per step."""
+        return sum(self.worker_s)
 
 
 def access_compute_s(model: ModelProfile) -> tuple[float, ...]:
@@ -232,12 +282,16 @@ def timeline(
     g, r = times.gather_s, times.reduce_s
     comm_free = compute_free = sum(g[c] for c in layout.private)
     ready = [0.0] * len(layout.chunks)
+    first_use: list[float | None] = [0.0 if spec.private else None for spec in layout.chunks]
     done = []
     for p, need in enumerate(needs):
         for c in sim.demand[p]:
             comm_free = max(comm_free, compute_free) + g[c]
             ready[c] = comm_free
         begin = max([compute_free] + [ready[c] for c in need])
+        for c in need:
+            if first_use[c] is None:
+                first_use[c] = begin
         for c in sim.prefetched[p]:
             comm_free = max(comm_free, begin) + g[c]
             ready[c] = comm_free
@@ -249,7 +303,10 @@ def timeline(
     gathers_s = sum(g[c] for c in sim.sequence)
     reduces_s = sum(r[c] for _, c in done)
     hidden_s = max(busy_s + gathers_s + reduces_s - end_s, 0.0)  # 0 up to rounding at least
-    return Timeline(end_s, tuple(done), busy_s, gathers_s, reduces_s, (1.0 - comm_overlap) * hidden_s)
+    first = tuple(end_s if t is None else t for t in first_use)
+    order = sorted(range(len(first)), key=lambda c: (not layout.chunks[c].private, first[c], c))
+    return Timeline(end_s, tuple(done), busy_s, gathers_s, reduces_s, (1.0 - comm_overlap) * hidden_s,
+                    first, tuple(order))
 
 
 def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
@@ -262,13 +319,24 @@ def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, 
     return free
 
 
-def step_time_s(forward_backward_s: float, copy_done: float, device_optimizer_s: float, host_s: float) -> float:
-    """The step's end from its parts: device optimizer after the backward, host pipeline after both
-    it and the last gradient copy (see [Note: overlap])."""
-    device_done = forward_backward_s + device_optimizer_s
-    if host_s == 0.0 and copy_done == 0.0:
-        return device_done
-    return max(device_done, copy_done) + host_s
+def hides_host_work(hardware: HardwareProfile) -> bool:
+    """Whether host work can run beside the device's compute: not where the host is the device."""
+    return hardware.device_name != "cpu"
+
+
+def step_time_s(forward_backward_s: float, copy_done: float, device_optimizer_s: float,
+                exposed_host_s: float) -> float:
+    """The step's end from its parts: the device optimizer after the backward, the last gradient copy,
+    then the host work the next step waits for (see [Note: overlap])."""
+    return max(forward_backward_s + device_optimizer_s, copy_done) + exposed_host_s
+
+
+def worker_s(times: ChunkTimes, c: int, placement: str) -> float:
+    """The host worker's time on chunk ``c``'s update at ``placement`` (rule 3 of [Note: overlap])."""
+    if placement == "device":
+        return 0.0
+    update_s = times.cpu_optimizer_s[c] + times.h2d_s[c]
+    return max(update_s, times.nvme_s[c]) if placement == "nvme" else update_s
 
 
 def placement_cost(times: ChunkTimes, placements: tuple[str, ...], micro_batches: int) -> PlacementCost:
@@ -281,17 +349,48 @@ def placement_cost(times: ChunkTimes, placements: tuple[str, ...], micro_batches
         cpu_optimizer_s=_masked_sum(times.cpu_optimizer_s, offloaded),
         nvme_s=_masked_sum(times.nvme_s, [p == "nvme" for p in placements]),
         h2d_s=_masked_sum(times.h2d_s, offloaded),
+        worker_s=tuple(worker_s(times, c, p) for c, p in enumerate(placements)),
     )
 
 
-def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost) -> CostBreakdown:
-    """The cost of a step whose forward/backward is ``tl`` and whose state is placed as given."""
+def exposed_host_s(tl: Timeline, gather_s: tuple[float, ...], placement: PlacementCost, launch_s: float,
+                   next_start_s: float) -> float:
+    """The worst wait of the next step for a host update launched at ``launch_s`` (rule 3 of
+    [Note: overlap]); ``next_start_s`` is when the device is ready for the next step."""
+    offloaded, work_s, first_use_s = placement.offloaded, placement.worker_s, tl.first_use_s
+    # Times relative to next_start_s, so that small updates late in a long step keep their digits.
+    done_s, worst_s = launch_s - next_start_s, 0.0
+    for c in tl.update_order:
+        if offloaded[c]:
+            done_s += work_s[c]
+            late_s = done_s - max(first_use_s[c] - gather_s[c], 0.0)
+            if late_s > worst_s:
+                worst_s = late_s
+    return worst_s
+
+
+def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost, host_hides: bool) -> CostBreakdown:
+    """The cost of a step whose forward/backward is ``tl`` and whose state is placed as given.
+
+    ``host_hides`` is ``hides_host_work(hardware)``: False charges all host work in sequence.
+    """
     p = placement
     copy_done = copy_done_s(tl.reduce_done, times.d2h_s, p.offloaded) if any(p.offloaded) else 0.0
     fwd_bwd_s = tl.forward_backward_s
-    step = step_time_s(fwd_bwd_s, copy_done, p.device_optimizer_s, max(p.cpu_optimizer_s, p.nvme_s, p.h2d_s))
-    return CostBreakdown(tl.compute_s, tl.all_gather_s, tl.reduce_scatter_s, fwd_bwd_s, tl.contention_s,
-                         p.d2h_s, copy_done, p.device_optimizer_s, p.cpu_optimizer_s, p.nvme_s, p.h2d_s, step)
+    next_start_s = max(fwd_bwd_s + p.device_optimizer_s, copy_done)
+    if not any(p.offloaded):
+        exposed_s = 0.0
+    elif host_hides:
+        exposed_s = exposed_host_s(tl, times.gather_s, p, max(fwd_bwd_s, copy_done), next_start_s)
+    else:
+        exposed_s = p.host_work_s
+    return CostBreakdown(
+        compute_s=tl.compute_s, all_gather_s=tl.all_gather_s, reduce_scatter_s=tl.reduce_scatter_s,
+        forward_backward_s=fwd_bwd_s, contention_s=tl.contention_s, d2h_s=p.d2h_s, copy_done_s=copy_done,
+        device_optimizer_s=p.device_optimizer_s, cpu_optimizer_s=p.cpu_optimizer_s, nvme_s=p.nvme_s,
+        h2d_s=p.h2d_s, host_work_s=p.host_work_s, exposed_host_s=exposed_s,
+        step_s=step_time_s(fwd_bwd_s, copy_done, p.device_optimizer_s, exposed_s),
+    )
 
 
 def _masked_sum(values: tuple[float, ...], mask: list[bool]) -> float:
@@ -314,12 +413,12 @@ def overlapped_s(compute_s: float, comm_s: float, comm_overlap: float) -> float:
     return max(compute_s, comm_s) + (1.0 - comm_overlap) * min(compute_s, comm_s)
 
 
-def host_floor_s(placement: PlacementCost) -> float:
-    """Seconds of host work a placement forces: gradient copies, then the slowest of the uploads, the
-    NVMe paging and the CPU optimizer (all at measured speeds).
+def host_floor_s(placement: PlacementCost, host_hides: bool) -> float:
+    """Seconds of host work a placement forces every step to take at least (rule 4 of
+    [Note: overlap]): the gradient copies D and the worker's time W, at measured speeds.
 
-    Every step pays at least this (see [Note: overlap]): the copies share one stream, and the host
-    pipeline that follows lasts as long as its slowest stage.
+    Where host work can hide, each needs a stream of its own for at least its time every step:
+    max(D, W). Where it cannot (the host is the device), they run in sequence: D + W.
     """
-    p = placement
-    return p.d2h_s + max(p.h2d_s, p.nvme_s, p.cpu_optimizer_s)
+    d, w = placement.d2h_s, placement.host_work_s
+    return max(d, w) if host_hides else d + w

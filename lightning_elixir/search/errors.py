@@ -117,5 +117,6 @@ def _offload_lever(hardware: HardwareProfile, options: SearchOptions) -> str:
                 "the rest of the optimizer state can go to NVMe, or allow more pinned host memory")
     if not nvme_usable(hardware, options):
         return "NVMe is configured but its bandwidth was not measured: re-run the hardware profile with the nvme_path"
-    return (f"host memory for NVMe-staged gradients is the limit "
-            f"(host_memory_bytes={options.host_memory_bytes:,}): allow more pinned host memory")
+    return (f"host memory for NVMe-staged gradients and the {options.nvme_buffers} NVMe page buffers is the limit "
+            f"(host_memory_bytes={options.host_memory_bytes:,}): allow more pinned host memory, or fewer "
+            "page buffers (nvme_buffers)")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from lightning_elixir.plan import ElixirPlan, PlanError
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
-from lightning_elixir.search.cost import (CostBreakdown, access_compute_s, chunk_times, placement_cost, reduce_schedule,
-                                          step_cost, timeline)
+from lightning_elixir.search.cost import (CostBreakdown, access_compute_s, chunk_times, hides_host_work, placement_cost,
+                                          reduce_schedule, step_cost, timeline)
 from lightning_elixir.search.layout import access_chunks, layout_from_plan
 from lightning_elixir.search.memory import MemoryBreakdown, memory_breakdown
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
@@ -57,5 +57,5 @@ def evaluate_plan(
     tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times,
                   hardware.comm_overlap)
     placements = tuple(spec.placement for spec in layout.chunks)
-    cost = step_cost(tl, times, placement_cost(times, placements, m))
+    cost = step_cost(tl, times, placement_cost(times, placements, m), hides_host_work(hardware))
     return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)

@@ -9,8 +9,21 @@
          + margin (``margin_fraction`` of the above, plus ``margin_bytes``)
 
 Off the device, a "cpu" chunk holds its whole sharded state in pinned host memory; an "nvme" chunk
-keeps master and optimizer states on NVMe and its gradient shard in host memory (it is written
-every micro-batch, so it is staged on the host rather than paged).
+keeps master and optimizer states (its record) in a file on NVMe and its gradient shard in host
+memory (it is written every micro-batch, so it is staged on the host rather than paged). The NVMe
+store's format is runtime/nvme.py's ([Note: NVMe record format]): every file and every host page
+buffer starts with a 4096-byte header block, and payloads are padded to whole 4096-byte blocks
+(direct I/O). Records are paged through ``nvme_buffers`` page buffers, each as large as the largest
+record. ``memory_breakdown`` counts exactly what a runtime with the placement allocates:
+
+    host = sum over cpu chunks of shard x (offloaded master + optimizer + gradient)
+         + sum over nvme chunks of shard x gradient
+         + nvme_buffers x (4096 + round_up(largest record, 4096))    (if any chunk is on NVMe)
+    nvme = sum over nvme chunks of (4096 + round_up(record, 4096))
+    record = shard x (offloaded master + optimizer)
+
+(The runtime lays a record's fields back to back, each aligned to its own element size: fp32 master
+and fp32 optimizer state leave no gaps.)
 """
 
 from __future__ import annotations
@@ -18,9 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_elixir.plan import round_up
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
+
+NVME_BLOCK_BYTES = 4096
+"""NVMe payloads are padded to whole blocks of this size: direct I/O moves whole blocks."""
+NVME_HEADER_BYTES = 4096
+"""The header block in front of every NVMe file and page buffer."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,27 @@ class StateBytes:
         return self.offloaded_master + self.optimizer if placement == "nvme" else 0
 
 
+def nvme_block_bytes(payload_bytes: int) -> int:
+    """A header block and the payload padded to whole blocks: one NVMe file or page buffer."""
+    return NVME_HEADER_BYTES + round_up(payload_bytes, NVME_BLOCK_BYTES)
+
+
+def nvme_page_bytes(largest_record_bytes: int | None, options: SearchOptions) -> int:
+    """Host bytes of the NVMe page buffers, given the largest NVMe record (None: no chunk on NVMe)."""
+    if largest_record_bytes is None:
+        return 0
+    return options.nvme_buffers * nvme_block_bytes(max(largest_record_bytes, 1))
+
+
+def offloaded_bytes(shard_numels: list[int], placements: tuple[str, ...], per: StateBytes,
+                    options: SearchOptions) -> tuple[int, int]:
+    """(host bytes, NVMe bytes) a runtime allocates for the offloaded state of a placement."""
+    records = [n * per.nvme(p) for n, p in zip(shard_numels, placements) if p == "nvme"]
+    host = sum(n * per.host(p) for n, p in zip(shard_numels, placements))
+    host += nvme_page_bytes(max(records, default=None), options)
+    return host, sum(nvme_block_bytes(r) for r in records)
+
+
 def state_bytes(model: ModelProfile, options: SearchOptions) -> StateBytes:
     """Bytes per element of each kind of state for this model's compute dtype and the options."""
     compute = dtype_bytes(model.compute_dtype)
@@ -89,9 +129,9 @@ class MemoryBreakdown:
     margin_bytes: int
     """Fragmentation and workspace margin."""
     host_bytes: int
-    """Pinned host memory for offloaded state (not part of the device peak)."""
+    """Pinned host memory for offloaded state and NVMe page buffers (not part of the device peak)."""
     nvme_bytes: int
-    """NVMe space for offloaded state (not part of the device peak)."""
+    """NVMe space for offloaded state, file headers included (not part of the device peak)."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -149,8 +189,7 @@ def memory_breakdown(
     per = state_bytes(model, options)
     shard = [spec.numel // layout.world_size for spec in layout.chunks]
     device_state = sum(n * per.state for n, p in zip(shard, placements) if p == "device")
-    host = sum(n * per.host(p) for n, p in zip(shard, placements))
-    nvme = sum(n * per.nvme(p) for n, p in zip(shard, placements))
+    host, nvme = offloaded_bytes(shard, placements, per, options)
     fixed = fixed_device_bytes(layout, model, blocks, options)
     margin = margin_bytes(sum(fixed) + device_state, options)
     return MemoryBreakdown(fixed[0], device_state, *fixed[1:], margin, host, nvme)

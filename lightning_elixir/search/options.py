@@ -44,7 +44,12 @@ class SearchOptions:
     nvme_available: bool = False
     """Whether an NVMe path is configured (and its bandwidth measured) for sharded state."""
     host_memory_bytes: int | None = None
-    """Pinned host memory this rank may use for offloaded state. None: unlimited."""
+    """Pinned host memory this rank may use for offloaded state (NVMe page buffers included).
+    None: unlimited."""
+    nvme_buffers: int = 3
+    """Host page buffers NVMe-placed state is paged through, each as large as the largest NVMe
+    chunk's record (plus a header block): one being read ahead, one being updated, one being written
+    behind. The runtime's ``nvme_buffers``."""
     margin_fraction: float = 0.05
     """Fragmentation margin as a fraction of the predicted peak (caching allocator slack)."""
     margin_bytes: int = 256 * MiB
@@ -70,7 +75,7 @@ class SearchOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefetch_depths", tuple(sorted(set(self.prefetch_depths))))
         positive = ("world_size", "micro_batches", "chunk_size_steps", "shard_align_numel",
-                    "cache_block_points", "report_top", "min_chunk_numel")
+                    "cache_block_points", "report_top", "min_chunk_numel", "nvme_buffers")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"SearchOptions.{name} must be >= 1, got {getattr(self, name)}")

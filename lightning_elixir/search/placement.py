@@ -1,12 +1,20 @@
 """Placement of sharded state: which chunks leave the device, and to where.
 
 The search does not try all 3^n placements. It walks a ladder: rung n offloads the first n chunks of
-``offload_order`` (earliest-reduced first, so their gradient copies hide behind the most backward
-compute), each to the CPU while pinned host memory lasts and to NVMe after that. This order is
-justified by the cost model: every chunk's state costs the same per element wherever it goes, the
-CPU is never slower than NVMe (NVMe adds paging on top of the same CPU update), and a chunk reduced
-early has the most compute left to hide its copy. Device memory falls with every rung, so the
-cheapest rung that fits a budget is found by walking up from rung 0.
+``offload_order`` (earliest-reduced first). Of those, as many as pinned host memory holds go to the
+CPU and the rest to NVMe: the fewest NVMe chunks for which host memory holds the CPU chunks' state,
+the NVMe chunks' staged gradients and the NVMe page buffers (``memory_breakdown``'s host bytes). The
+page buffers cost host memory once, as soon as one chunk is on NVMe, so moving a chunk to NVMe can
+take more host memory than keeping it on the CPU: a rung may send chunks that the rung below kept on
+the CPU to NVMe, and the ladder ends where even the best split does not fit.
+
+This order is justified by the cost model ([Note: overlap] in cost.py): every chunk's state costs
+the same per element wherever it goes, and the CPU is never slower than NVMe (NVMe adds paging on
+top of the same CPU update). A chunk reduced early has the most backward compute left to hide its
+gradient copy and, being among the last the forward uses, the most of the next forward to hide its
+update; so the NVMe chunks, the slowest to update, are the first in offload order. Device memory
+falls with every rung; the search costs every rung that fits a budget, since hidden host work can
+make a higher rung as fast as a lower one (or faster, by shortening the device optimizer).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from dataclasses import dataclass
 
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout, offload_order
-from lightning_elixir.search.memory import StateBytes, state_bytes
+from lightning_elixir.search.memory import StateBytes, nvme_page_bytes, state_bytes
 from lightning_elixir.search.options import SearchOptions
 
 
@@ -28,7 +36,7 @@ class Rung:
     device_state_bytes: int
     """Sharded state left on the device."""
     host_bytes: int
-    """Pinned host memory used by offloaded state."""
+    """Pinned host memory used by offloaded state and NVMe page buffers."""
 
     def __post_init__(self) -> None:
         if self.device_state_bytes < 0 or self.host_bytes < 0:
@@ -56,31 +64,42 @@ def placement_ladder(layout: Layout, model: ModelProfile, options: SearchOptions
     Args:
         layout: the chunks.
         model: the profile (compute dtype, access order).
-        options: allowed placements and host memory.
+        options: allowed placements, host memory and NVMe page buffers.
         nvme_ok: NVMe is configured and its bandwidth measured.
     """
     per = state_bytes(model, options)
     shard = [spec.numel // layout.world_size for spec in layout.chunks]
-    placements = ["device"] * len(layout.chunks)
+    order = offload_order(layout, model)
     device_state = sum(shard) * per.state
-    host = 0
-    rungs = [Rung(tuple(placements), device_state, host)]
-    for c in offload_order(layout, model):
-        where = _where(shard[c], host, per, options, nvme_ok)
-        if where is None:
+    rungs = [Rung(("device",) * len(shard), device_state, 0)]
+    for n in range(1, len(order) + 1):
+        split = _nvme_split(order[:n], shard, per, options, nvme_ok)
+        if split is None:
             break
-        placements[c] = where
-        device_state -= shard[c] * per.state
-        host += shard[c] * per.host(where)
-        rungs.append(Rung(tuple(placements), device_state, host))
+        nvme_count, host_bytes = split
+        placements = ["device"] * len(shard)
+        for i, c in enumerate(order[:n]):
+            placements[c] = "nvme" if i < nvme_count else "cpu"
+        device_state -= shard[order[n - 1]] * per.state
+        rungs.append(Rung(tuple(placements), device_state, host_bytes))
     return tuple(rungs)
 
 
-def _where(shard_numel: int, host_used: int, per: StateBytes, options: SearchOptions, nvme_ok: bool) -> str | None:
-    """The cheapest off-device placement with room for one more shard, if any."""
+def _nvme_split(chunks: tuple[int, ...], shard: list[int], per: StateBytes, options: SearchOptions,
+                nvme_ok: bool) -> tuple[int, int] | None:
+    """For offloaded ``chunks`` (in offload order): the fewest of them, taken first, that must go to NVMe
+    for the rest to fit on the CPU, and the host bytes then; None if no split fits host memory."""
     allowed = [p for p in options.offload_placements if p != "nvme" or nvme_ok]
-    cap = options.host_memory_bytes
-    for placement in allowed:
-        if cap is None or host_used + shard_numel * per.host(placement) <= cap:
-            return placement
+    fewest = 0 if "cpu" in allowed else len(chunks)
+    most = len(chunks) if "nvme" in allowed else 0
+    state = sum(shard[c] for c in chunks) * per.host("cpu")
+    largest = None
+    for count in range(most + 1):
+        if count:
+            c = chunks[count - 1]
+            state += shard[c] * (per.host("nvme") - per.host("cpu"))
+            largest = max(largest or 0, shard[c] * per.nvme("nvme"))
+        host_bytes = state + nvme_page_bytes(largest, options)
+        if count >= fewest and (options.host_memory_bytes is None or host_bytes <= options.host_memory_bytes):
+            return count, host_bytes
     return None

@@ -60,7 +60,7 @@ class Candidate:
         blocks = "all" if self.all_gathered else str(self.cache_blocks)
         return (f"chunk={self.chunk_numel:,} blocks={blocks} prefetch={self.prefetch_depth} "
                 f"offload={self.cpu_chunks}cpu+{self.nvme_chunks}nvme/{self.chunks} "
-                f"gathers={self.gathers} step={_ms(self.step_s)} peak={format_bytes(self.peak_bytes)}")
+                f"gathers={self.gathers} step={format_ms(self.step_s)} peak={format_bytes(self.peak_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,15 @@ class SearchReport:
     """Physical lower bound on the step time for this budget: the largest of pure compute, the
     collectives every fitting plan of the search space must run (measured launch latency, bytes at
     the best measured bandwidths) with the compute they cannot hide behind (``comm_overlap``), and
-    the host work the budget forces (gradient copies, uploads, NVMe paging and CPU optimizer
-    updates of the state that cannot stay on the device)."""
+    the host work the budget forces (gradient copies, and the worker's CPU optimizer updates,
+    uploads and NVMe paging of the state that cannot stay on the device: each needs its time every
+    step even where it hides, see [Note: overlap] in cost.py)."""
     lower_bound_reason: str
     """Which of "compute", "network", "host" sets the lower bound."""
     evaluated: int
     """Candidates evaluated (chunk size x cache blocks x prefetch depth x placement)."""
+    placement_reason: str = ""
+    """Why the winner's state sits where it does, e.g. what keeping it all on the device would need."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -134,18 +137,30 @@ class SearchReport:
         """A JSON-ready dict."""
         return dataclasses.asdict(self)
 
+    def placement_summary(self) -> str:
+        """Where the winner's chunks went, why, and what the host work costs."""
+        w, c = self.winner, self.cost
+        counts = f"placement: {w.chunks - w.offloaded} device, {w.cpu_chunks} cpu, {w.nvme_chunks} nvme"
+        reason = f": {self.placement_reason}" if self.placement_reason else ""
+        if not w.offloaded:
+            return counts + reason
+        m = self.memory
+        return (f"{counts}{reason}; host work {format_ms(c.host_work_s)}, exposed {format_ms(c.exposed_host_s)}; "
+                f"host memory {format_bytes(m.host_bytes)}, nvme {format_bytes(m.nvme_bytes)}")
+
     def summary(self) -> str:
         """A few lines for logs: budget, lower bound, winner breakdown, the top candidates."""
         c, m = self.cost, self.memory
         lines = [
             f"Elixir search: budget {format_bytes(self.budget_bytes)}/rank, world size {self.world_size}, "
             f"{self.micro_batches} micro-batch(es), {self.evaluated} candidates",
-            f"lower bound {_ms(self.lower_bound_s)} ({self.lower_bound_reason}); "
+            f"lower bound {format_ms(self.lower_bound_s)} ({self.lower_bound_reason}); "
             f"predicted/lower bound = {self.lower_bound_ratio:.2f}",
-            f"step {_ms(c.step_s)}: compute {_ms(c.compute_s)}, all-gather {_ms(c.all_gather_s)}, "
-            f"reduce-scatter {_ms(c.reduce_scatter_s)}, fwd+bwd {_ms(c.forward_backward_s)} "
-            f"(contention {_ms(c.contention_s)}), "
-            f"optimizer {_ms(c.device_optimizer_s)} device + {_ms(c.host_s)} host",
+            f"step {format_ms(c.step_s)}: compute {format_ms(c.compute_s)}, all-gather {format_ms(c.all_gather_s)}, "
+            f"reduce-scatter {format_ms(c.reduce_scatter_s)}, fwd+bwd {format_ms(c.forward_backward_s)} "
+            f"(contention {format_ms(c.contention_s)}), "
+            f"optimizer {format_ms(c.device_optimizer_s)} device",
+            self.placement_summary(),
             f"peak {format_bytes(m.peak_bytes)}: shards {format_bytes(m.param_shard_bytes)}, "
             f"state {format_bytes(m.device_state_bytes)}, cache {format_bytes(m.cache_bytes)}, "
             f"private {format_bytes(m.private_bytes)}, reduce buffers {format_bytes(m.reduce_buffer_bytes)}, "
@@ -155,6 +170,6 @@ class SearchReport:
         return "\n".join(lines)
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
     """Seconds as milliseconds with two decimals."""
     return f"{seconds * 1e3:.2f}ms"

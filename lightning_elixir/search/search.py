@@ -6,7 +6,13 @@ ladder that fit the budget are known from memory alone; for every prefetch depth
 simulated once, the forward/backward is overlapped once, and every fitting rung is costed. The
 candidate set does not depend on the budget, so a larger budget can only add candidates: its plan is
 never predicted slower. Ties are broken by fewer bytes gathered, fewer chunks offloaded, lower
-peak, then smaller prefetch depth, chunk size and cache: the result is deterministic.
+peak, then deeper prefetch, smaller chunk size and cache: the result is deterministic.
+
+Offloading is not only a last resort. Where host work hides behind the next forward ([Note:
+overlap] in cost.py), an offloaded chunk can cost no time, and the device memory it frees buys
+cache blocks (fewer re-gathers); its update also leaves the device optimizer. So the search may
+offload under a budget that all-device plans fit, whenever that is predicted faster; at equal
+predicted time and gathers it keeps the state on the device.
 """
 
 from __future__ import annotations
@@ -18,14 +24,14 @@ from dataclasses import dataclass
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.search.cost import (ChunkTimes, CostBreakdown, PlacementCost, Timeline, access_compute_s,
-                                          chunk_times, host_floor_s, network_floor_s, overlapped_s, placement_cost,
-                                          reduce_schedule, step_cost, timeline)
+                                          chunk_times, hides_host_work, host_floor_s, network_floor_s, overlapped_s,
+                                          placement_cost, reduce_schedule, step_cost, timeline)
 from lightning_elixir.search.errors import no_plan_fits, nvme_usable
 from lightning_elixir.search.layout import Layout, access_chunks, build_layout, candidate_chunk_numels
 from lightning_elixir.search.memory import fixed_device_bytes, margin_bytes, memory_breakdown, state_bytes
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
 from lightning_elixir.search.placement import Rung, placement_ladder
-from lightning_elixir.search.report import Candidate, LayoutSummary, SearchReport
+from lightning_elixir.search.report import Candidate, LayoutSummary, SearchReport, format_bytes, format_ms
 from lightning_elixir.search.simulate import SimResult, min_cache_blocks, simulate
 
 
@@ -112,13 +118,27 @@ def search(
     nvme_ok = nvme_usable(hardware, options)
     compute_s = access_compute_s(model) * options.micro_batches
     spaces = [_space(model, hardware, options, size, nvme_ok) for size in candidate_chunk_numels(model, options)]
-    found = list(_candidates(spaces, model, budget_bytes, options, compute_s, hardware.comm_overlap))
+    found = list(_candidates(spaces, model, hardware, budget_bytes, options, compute_s))
     if not found:
         raise no_plan_fits(model, hardware, budget_bytes, options)
-    ranked = sorted(found, key=lambda e: e.key)
+    ranked = _prefer_device(sorted(found, key=lambda e: e.key))
     plan = _plan(ranked[0], options)
     report = _report(ranked, spaces, model, hardware, budget_bytes, options)
     return plan, report
+
+
+OFFLOAD_MIN_GAIN = 0.01
+"""Offloading that memory does not force must be predicted this much faster (a fraction of the step)
+than the best plan with fewer offloaded chunks: the model leaves out the host's memory and PCIe
+bandwidth that the next step's uploads share, so a gain within it is not worth the host memory."""
+
+
+def _prefer_device(ranked: list[_Evaluated]) -> list[_Evaluated]:
+    """``ranked`` with the winner replaced by a less offloaded candidate within ``OFFLOAD_MIN_GAIN``."""
+    best = ranked[0]
+    close = [e for e in ranked if e.cost.step_s <= best.cost.step_s * (1.0 + OFFLOAD_MIN_GAIN)]
+    winner = min(close, key=lambda e: (e.candidate.offloaded, e.key))
+    return [winner] + [e for e in ranked if e is not winner]
 
 
 def _space(model: ModelProfile, hardware: HardwareProfile, options: SearchOptions, chunk_numel: int,
@@ -147,10 +167,11 @@ def block_grid(fewest: int, public_chunks: int, points: int) -> tuple[int, ...]:
     return tuple(sorted({fewest + s for s in steps} | {public_chunks - s for s in steps}))
 
 
-def _candidates(spaces: list[_Space], model: ModelProfile, budget_bytes: int, options: SearchOptions,
-                compute_s: tuple[float, ...], comm_overlap: float) -> Iterator[_Evaluated]:
+def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
+                options: SearchOptions, compute_s: tuple[float, ...]) -> Iterator[_Evaluated]:
     """Every fitting (chunk size, cache blocks, prefetch depth), each with its best fitting rung."""
     compute_bytes = dtype_bytes(model.compute_dtype)
+    comm_overlap, host_hides = hardware.comm_overlap, hides_host_work(hardware)
     for space in spaces:
         for blocks in space.blocks:
             fixed = sum(fixed_device_bytes(space.layout, model, blocks, options))
@@ -162,7 +183,8 @@ def _candidates(spaces: list[_Space], model: ModelProfile, budget_bytes: int, op
             for depth in options.prefetch_depths:
                 sim = simulate(space.layout, space.needs, blocks, depth, options.micro_batches, compute_bytes)
                 tl = timeline(space.layout, needs, sim, compute_s, space.reduced, space.times, comm_overlap)
-                best = min((_evaluate(space, sim, tl, r, fixed, options) for r in rungs), key=lambda e: e.key)
+                best = min((_evaluate(space, sim, tl, r, fixed, options, host_hides) for r in rungs),
+                           key=lambda e: e.key)
                 yield dataclasses.replace(best, costed=len(rungs))
 
 
@@ -177,10 +199,10 @@ def _first_fitting_rung(ladder: tuple[Rung, ...], fixed_bytes: int, budget_bytes
 
 
 def _evaluate(space: _Space, sim: SimResult, tl: Timeline, index: int, fixed_bytes: int,
-              options: SearchOptions) -> _Evaluated:
+              options: SearchOptions, host_hides: bool) -> _Evaluated:
     """Cost rung ``index`` of one simulated cache and wrap it as a ranked candidate."""
     rung = space.ladder[index]
-    cost = step_cost(tl, space.times, space.rung_costs[index])
+    cost = step_cost(tl, space.times, space.rung_costs[index], host_hides)
     subtotal = fixed_bytes + rung.device_state_bytes
     layout = space.layout
     candidate = Candidate(
@@ -229,7 +251,49 @@ def _report(ranked: list[_Evaluated], spaces: list[_Space], model: ModelProfile,
     top = tuple(e.candidate for e in ranked[: options.report_top])
     evaluated = sum(e.costed for e in ranked)
     return SearchReport(budget_bytes, options.world_size, options.micro_batches, top, best.cost, memory,
-                        layouts, bound_s, reason, evaluated)
+                        layouts, bound_s, reason, evaluated, _placement_reason(best, model, budget_bytes, options))
+
+
+def _placement_reason(best: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions) -> str:
+    """Why the winner's state sits where it does: what keeping it all on the device would need, and
+    why any of it is on NVMe."""
+    reason, rung = _offload_reason(best, model, budget_bytes, options), best.rung
+    if not rung.nvme_chunks:
+        return reason
+    if not options.allow_cpu:
+        return f"{reason}; the CPU is not allowed (allow_cpu=False), so {rung.nvme_chunks} go to NVMe"
+    return (f"{reason}; host memory ({format_bytes(options.host_memory_bytes or 0)}) holds {rung.cpu_chunks} "
+            f"on the CPU, so {rung.nvme_chunks} go to NVMe")
+
+
+def _offload_reason(best: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions) -> str:
+    """Why the winner offloads what it does: what keeping it all on the device would need."""
+    space, rung, blocks = best.space, best.rung, best.candidate.cache_blocks
+    if not rung.offloaded:
+        if len(space.ladder) == 1:
+            return "all state on the device (offload is not allowed, or host memory cannot take a chunk)"
+        return "all state on the device: offloading is not predicted faster"
+    device_state = space.ladder[0].device_state_bytes
+    freed = format_bytes(device_state - rung.device_state_bytes)
+    need = _all_device_peak(space, model, blocks, options)
+    if need <= budget_bytes:
+        saved_s = space.rung_costs[0].device_optimizer_s - best.cost.device_optimizer_s
+        return (f"all-device state fits too ({format_bytes(need)}), but offloading {freed} is predicted faster: "
+                f"the device optimizer is {format_ms(saved_s)} shorter")
+    fitting = [b for b in space.blocks if _all_device_peak(space, model, b, options) <= budget_bytes]
+    if not fitting:
+        least = _all_device_peak(space, model, space.blocks[0], options)
+        return (f"all-device state needs {format_bytes(least)} even with {space.blocks[0]} cache block(s) "
+                f"(over the budget by {format_bytes(least - budget_bytes)})")
+    return (f"all-device state with {blocks} cache blocks needs {format_bytes(need)} (over the budget by "
+            f"{format_bytes(need - budget_bytes)}); offloading frees {freed} for {blocks - max(fitting)} more "
+            f"cache block(s)")
+
+
+def _all_device_peak(space: _Space, model: ModelProfile, blocks: int, options: SearchOptions) -> int:
+    """The device peak of this chunk size with ``blocks`` cache blocks and every chunk's state on the device."""
+    subtotal = sum(fixed_device_bytes(space.layout, model, blocks, options)) + space.ladder[0].device_state_bytes
+    return subtotal + margin_bytes(subtotal, options)
 
 
 def _lower_bound(ranked: list[_Evaluated], model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
@@ -239,7 +303,8 @@ def _lower_bound(ranked: list[_Evaluated], model: ModelProfile, hardware: Hardwa
     reduce_bytes = state_bytes(model, options).reduce
     network = min(network_floor_s(e.candidate.gathered_bytes, e.space.reduced_numel * reduce_bytes,
                                   e.candidate.gathers + e.space.reduces, hardware) for e in ranked)
-    host = min(_least_host_floor_s(e, model, budget_bytes, options) for e in ranked)
+    host_hides = hides_host_work(hardware)
+    host = min(_least_host_floor_s(e, model, budget_bytes, options, host_hides) for e in ranked)
     compute = ranked[0].cost.compute_s
     # The least traffic hides behind compute only as far as comm_overlap lets it (at 1: their max).
     bounds = {"compute": compute, "network": overlapped_s(compute, network, hardware.comm_overlap), "host": host}
@@ -247,11 +312,13 @@ def _lower_bound(ranked: list[_Evaluated], model: ModelProfile, hardware: Hardwa
     return bounds[reason], reason
 
 
-def _least_host_floor_s(e: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions) -> float:
-    """Host work of the least-offloaded rung that fits, for this candidate's layout and cache."""
+def _least_host_floor_s(e: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions,
+                        host_hides: bool) -> float:
+    """Host floor of the least-offloaded rung that fits, for this candidate's layout and cache (every
+    fitting rung above it offloads more, so its floor is no lower)."""
     fixed = sum(fixed_device_bytes(e.space.layout, model, e.candidate.cache_blocks, options))
     first = _first_fitting_rung(e.space.ladder, fixed, budget_bytes, options)
-    return host_floor_s(e.space.rung_costs[first])
+    return host_floor_s(e.space.rung_costs[first], host_hides)
 
 
 def _layout_summary(layout: Layout) -> LayoutSummary:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.search import SearchOptions, build_layout, evaluate_plan, search, step_time_s
-from tests.search.profiles import chain_profile, chain_profiles, flat_hardware, hardwares
+from lightning_elixir.search.cost import chunk_times, host_floor_s, placement_cost
+from tests.search.profiles import chain_profile, chain_profiles, flat_hardware, hardware, hardwares
 
 # Two modules with one 100-element parameter each, one chunk each, world size 2 (shards of 50), bf16.
 # Forward takes 1 s per module, backward 2 s. Accesses: fwd m0, fwd m1, bwd m1, bwd m0.
@@ -24,6 +25,8 @@ HARDWARE = flat_hardware(100.0, 200.0, optimizer_device_numel_per_s=100.0, optim
 OPTIONS = SearchOptions(world_size=2, margin_fraction=0.05, margin_bytes=0, nvme_available=True,
                         chunk_size_steps=1, min_chunk_numel=1, shard_align_numel=1)
 LAYOUT = build_layout(MODEL, 100, 2)
+# The same machine where the host is the device: host work beside compute hides nothing.
+CPU_HARDWARE = dataclasses.replace(HARDWARE, device_name="cpu")
 
 
 def plan(blocks, depth, placements=("device", "device")):
@@ -64,21 +67,64 @@ def test_one_block_regathers_in_backward():
 
 
 def test_offloading_one_chunk_to_the_cpu():
-    # As with prefetch (backward ends at 11), but chunk 1 (reduced first, at 9) lives on the CPU:
-    # its gradient shard (50 * 4 B) is copied down 9 -> 11. Device optimizer: chunk 0 only, 0.5 s,
-    # done at 11.5. Host: CPU AdamW 50 / 25 = 2 s, upload 50 * 2 B / 100 = 1 s; pipelined -> 2 s.
-    # Step: max(11.5, 11) + 2 = 13.5 s.
+    # As with prefetch (backward ends at 11; chunk 1 first used by p1 at 4), but chunk 1 (reduced
+    # first, at 9) lives on the CPU: its gradient shard (50 * 4 B) is copied down 9 -> 11. Device
+    # optimizer: chunk 0 only, 0.5 s: the next step can start at 11.5. The worker starts at 11:
+    # CPU AdamW 50 / 25 = 2 s, then upload 50 * 2 B / 100 = 1 s: done at 14. The next step gathers
+    # chunk 1 (2 s) to start p1 at 11.5 + 4, so the update must be done by 11.5 + 4 - 2 = 13.5:
+    # 0.5 s exposed. Step: 11.5 + 0.5 = 12 s.
     cost = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, HARDWARE, OPTIONS).cost
     assert cost.copy_done_s == pytest.approx(11.0)
     assert cost.device_optimizer_s == pytest.approx(0.5)
-    assert cost.step_s == pytest.approx(13.5)
+    assert cost.host_work_s == pytest.approx(3.0)
+    assert cost.exposed_host_s == pytest.approx(0.5)
+    assert cost.step_s == pytest.approx(12.0)
 
 
 def test_offloading_one_chunk_to_nvme():
-    # Same, but the host pipeline's slowest stage is NVMe: 2 s read + 3 s write = 5 s. Step: 11.5 + 5.
+    # Same, but NVMe paging (2 s read + 3 s write = 5 s) outlasts update and upload (3 s): the
+    # worker's period is 5 s, done at 16, 2.5 s past the deadline. Step: 11.5 + 2.5 = 14 s.
     cost = evaluate_plan(plan("all", 1, ("device", "nvme")), MODEL, HARDWARE, OPTIONS).cost
     assert cost.nvme_s == pytest.approx(5.0)
-    assert cost.step_s == pytest.approx(16.5)
+    assert cost.exposed_host_s == pytest.approx(2.5)
+    assert cost.step_s == pytest.approx(14.0)
+
+
+def test_an_update_done_before_its_gather_is_hidden():
+    # A CPU optimizer of 50 elements/s: update 1 s + upload 1 s, done at 13 <= 13.5. Step: 11.5 s,
+    # faster than keeping chunk 1 on the device (12 s): its device optimizer no longer runs.
+    fast_cpu = dataclasses.replace(HARDWARE, optimizer_cpu_numel_per_s=50.0)
+    cost = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, fast_cpu, OPTIONS).cost
+    assert cost.exposed_host_s == 0.0
+    assert cost.step_s == pytest.approx(11.5)
+
+
+@pytest.mark.parametrize("placement, step_s", [("cpu", 14.5), ("nvme", 16.5)])
+def test_where_the_host_is_the_device_host_work_runs_in_sequence(placement, step_s):
+    # The step of test_offloading_one_chunk_*: 11.5 s, then the worker's whole time (3 s; 5 s).
+    cost = evaluate_plan(plan("all", 1, ("device", placement)), MODEL, CPU_HARDWARE, OPTIONS).cost
+    assert cost.exposed_host_s == cost.host_work_s
+    assert cost.step_s == pytest.approx(step_s)
+
+
+def test_both_chunks_offloaded_update_in_forward_order():
+    # Both on the CPU: copies 9 -> 11 (chunk 1) and 11 -> 13 (chunk 0); no device optimizer, so the
+    # next step can start at 13. Worker: chunk 0 first (used first), done 16, deadline 13 + 2 - 2 =
+    # 13; then chunk 1, done 19, deadline 13 + 4 - 2 = 15. Worst: chunk 1, 4 s. Step: 17 s.
+    cost = evaluate_plan(plan("all", 1, ("cpu", "cpu")), MODEL, HARDWARE, OPTIONS).cost
+    assert cost.copy_done_s == pytest.approx(13.0)
+    assert cost.exposed_host_s == pytest.approx(4.0)
+    assert cost.step_s == pytest.approx(17.0)
+
+
+def test_host_floor():
+    # Chunk 1 on the CPU: copies D = 2 s, worker W = 3 s (see above). Where host work hides, the
+    # copy stream and the worker each need their time every step: max(D, W); else D + W.
+    times = chunk_times(LAYOUT, MODEL, HARDWARE, OPTIONS)
+    cost = placement_cost(times, ("device", "cpu"), 1)
+    assert host_floor_s(cost, host_hides=True) == pytest.approx(3.0)
+    assert host_floor_s(cost, host_hides=False) == pytest.approx(5.0)
+    assert host_floor_s(placement_cost(times, ("device", "device"), 1), host_hides=True) == 0.0
 
 
 def test_gradient_accumulation_keeps_the_cache_and_reduces_every_micro_batch():
@@ -93,8 +139,8 @@ def test_gradient_accumulation_keeps_the_cache_and_reduces_every_micro_batch():
 
 def test_the_overlap_rule_for_the_optimizer():
     assert step_time_s(10.0, 0.0, 1.0, 0.0) == 11.0  # no offload: device optimizer after backward
-    assert step_time_s(10.0, 12.0, 1.0, 2.0) == 14.0  # host waits for the last gradient copy
-    assert step_time_s(10.0, 10.5, 1.0, 2.0) == 13.0  # ... and for the device optimizer
+    assert step_time_s(10.0, 12.0, 1.0, 2.0) == 14.0  # exposed host time after the last gradient copy
+    assert step_time_s(10.0, 10.5, 1.0, 2.0) == 13.0  # ... and after the device optimizer
 
 
 def test_search_finds_the_hand_optimum():
@@ -107,16 +153,89 @@ def test_search_finds_the_hand_optimum():
     assert report.lower_bound_reason == "network"
     assert report.lower_bound_s == pytest.approx(8.0)
     assert report.lower_bound_ratio == pytest.approx(1.5)
+    # Offloading chunk 1 also takes 12 s (test_offloading_one_chunk_to_the_cpu): the tie goes to
+    # fewer chunks offloaded.
+    assert report.winner.offloaded == 0
     # Peaks: 2 blocks on device 4200 B; 1 block 3990 B; 2 blocks with chunk 1 offloaded 3360 B.
-    # At 4000 B: one block costs 17 s, offloading chunk 1 costs 13.5 s: this hardware says offload.
+    # At 4000 B: one block costs 17 s, offloading chunk 1 costs 12 s: this hardware says offload.
     best, report = search(MODEL, HARDWARE, 4000, OPTIONS)
-    assert report.winner.step_s == pytest.approx(13.5)
+    assert report.winner.step_s == pytest.approx(12.0)
     assert best.cache_blocks == "all" and [c.placement for c in best.chunks] == ["device", "cpu"]
-    # With a CPU optimizer of 5 elements/s the offload costs 11.5 + 10 = 21.5 s > 17 s: shard instead.
+    assert report.cost.exposed_host_s == pytest.approx(0.5)
+    # With a CPU optimizer of 5 elements/s the update takes 10 s + 1 s upload, done at 22, 8.5 s
+    # past its deadline: 20 s > 17 s. Shard instead.
     slow_cpu = dataclasses.replace(HARDWARE, optimizer_cpu_numel_per_s=5.0)
     best, report = search(MODEL, slow_cpu, 4000, OPTIONS)
     assert report.winner.step_s == pytest.approx(17.0)
     assert best.cache_blocks == "min" and not best.offloads
+    # Where the host is the device, offloading chunk 1 costs 11.5 + 3 = 14.5 s: still under 17 s.
+    best, report = search(MODEL, CPU_HARDWARE, 4000, OPTIONS)
+    assert report.winner.step_s == pytest.approx(14.5) and best.offloads
+
+
+def test_the_report_says_where_chunks_went_and_why():
+    _, report = search(MODEL, HARDWARE, 4000, OPTIONS)
+    assert ("placement: 1 device, 1 cpu, 0 nvme: all-device state with 2 cache blocks needs 4.10 KiB (over the "
+            "budget by 200 B); offloading frees 800 B for 1 more cache block(s); host work 3000.00ms, "
+            "exposed 500.00ms") in report.summary()
+    assert report.placement_reason.startswith("all-device state with 2 cache blocks")
+    _, report = search(MODEL, HARDWARE, 10_000, OPTIONS)
+    assert "placement: 2 device, 0 cpu, 0 nvme: all state on the device" in report.summary()
+
+
+# A GPU-like machine (profiles.hardware(): PCIe 4 host link, CPU AdamW at 1e9 elements/s). Four
+# modules of 16M parameters, 10 ms forward and 20 ms backward each, at world size 8: shards of 2M
+# elements; a CPU update takes 2.1 ms, its upload 0.17 ms, a gather 0.4 ms. The last two chunks are
+# offloaded: the next forward needs them 20 and 30 ms in.
+GPU_MODEL = chain_profile([[1 << 24]] * 4, forward_s=[0.01] * 4, backward_s=[0.02] * 4)
+GPU_OPTIONS = SearchOptions(world_size=8)
+
+
+def gpu_plan(placements):
+    layout = build_layout(GPU_MODEL, 1 << 24, 8)
+    chunks = tuple(dataclasses.replace(c, placement=p) for c, p in zip(layout.chunks, placements))
+    return ElixirPlan(chunks=chunks, world_size=8, cache_blocks="all", prefetch_depth=1)
+
+
+def test_updates_done_before_their_first_use_are_hidden():
+    offloaded = evaluate_plan(gpu_plan(("device", "device", "cpu", "cpu")), GPU_MODEL, hardware(), GPU_OPTIONS).cost
+    assert offloaded.host_work_s > 0.004 and offloaded.exposed_host_s == 0.0
+    assert offloaded.step_s == pytest.approx(offloaded.forward_backward_s + offloaded.device_optimizer_s
+                                             + offloaded.exposed_copy_s)
+    on_device = evaluate_plan(gpu_plan(("device",) * 4), GPU_MODEL, hardware(), GPU_OPTIONS).cost
+    assert offloaded.step_s < on_device.step_s  # the device optimizer skips the offloaded shards
+    # A CPU optimizer 100x slower: chunk 2's update takes 210 ms, far past its first use.
+    slow = hardware(optimizer_cpu_numel_per_s=1e7)
+    late = evaluate_plan(gpu_plan(("device", "device", "cpu", "cpu")), GPU_MODEL, slow, GPU_OPTIONS).cost
+    assert late.exposed_host_s > 0.3
+    assert late.step_s == pytest.approx(late.forward_backward_s + late.device_optimizer_s + late.exposed_copy_s
+                                        + late.exposed_host_s)
+
+
+def test_where_the_host_is_the_device_all_host_work_is_exposed():
+    plan_ = gpu_plan(("device", "device", "cpu", "cpu"))
+    cost = evaluate_plan(plan_, GPU_MODEL, hardware(device_name="cpu"), GPU_OPTIONS).cost
+    assert cost.host_work_s > 0.004 and cost.exposed_host_s == cost.host_work_s
+    ready_s = max(cost.forward_backward_s + cost.device_optimizer_s, cost.copy_done_s)
+    assert cost.step_s == pytest.approx(ready_s + cost.host_work_s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chain_profiles(), hardwares(), st.integers(1, 4), st.data())
+def test_hiding_is_never_slower_and_every_step_pays_its_host_floor(model, hw, world_size, data):
+    options = SearchOptions(world_size=world_size, min_chunk_numel=1, shard_align_numel=1, nvme_available=True)
+    layout = build_layout(model, max(p.numel for p in model.params), world_size)
+    placements = tuple(data.draw(st.sampled_from(["device", "cpu", "nvme"])) for _ in layout.chunks)
+    chunks = tuple(dataclasses.replace(c, placement=p) for c, p in zip(layout.chunks, placements))
+    plan_ = ElixirPlan(chunks=chunks, world_size=world_size, prefetch_depth=data.draw(st.integers(0, 2)))
+    hides, not_hides = (evaluate_plan(plan_, model, h, options).cost
+                        for h in (hw, dataclasses.replace(hw, device_name="cpu")))
+    assert hides.step_s <= not_hides.step_s + 1e-12
+    times = chunk_times(layout, model, hw, options)
+    cost = placement_cost(times, placements, 1)
+    assert hides.step_s >= host_floor_s(cost, host_hides=True) * (1 - 1e-12)
+    assert not_hides.step_s >= host_floor_s(cost, host_hides=False) * (1 - 1e-12)
+    assert 0.0 <= hides.exposed_host_s <= hides.host_work_s * (1 + 1e-12)
 
 
 # [Note: overlap], contention: a collective the schedule hides behind compute still costs the
@@ -151,21 +270,23 @@ def test_a_schedule_that_hides_nothing_loses_nothing_to_contention():
     assert cost.step_s == pytest.approx(17.0)
 
 
-def test_contention_delays_the_optimizer_but_not_the_gradient_copies():
+def test_contention_delays_the_optimizer_but_not_the_gradient_copies_or_first_uses():
     # test_offloading_one_chunk_to_the_cpu at overlap 0.5: forward/backward 12.5 (as with prefetch),
     # device optimizer done at 13. The copy of chunk 1's gradient keeps the schedule's clock (done at
-    # 11). Host pipeline 2 s: step max(13, 11) + 2 = 15 s.
+    # 11), so does chunk 1's first use (4). Worker from 12.5: done 15.5; deadline 13 + 4 - 2 = 15.
+    # Step: 13 + 0.5 = 13.5 s.
     hardware = dataclasses.replace(HARDWARE, comm_overlap=0.5)
     cost = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, hardware, OPTIONS).cost
     assert cost.copy_done_s == pytest.approx(11.0)
-    assert cost.step_s == pytest.approx(15.0)
+    assert cost.step_s == pytest.approx(13.5)
 
 
 def test_without_overlap_prefetch_saves_nothing_and_the_bound_adds_up():
-    # Overlap 0: every plan costs compute + collectives + optimizer. Both blocks with or without
-    # prefetch: 6 + 8 + 1 = 15 s (a tie: the deeper prefetch wins); one block: 17 s.
+    # State on the device. Overlap 0: every plan costs compute + collectives + optimizer. Both blocks
+    # with or without prefetch: 6 + 8 + 1 = 15 s (a tie: the deeper prefetch wins); one block: 17 s.
     # Lower bound: the least traffic (8 s) cannot hide behind compute (6 s): 14 s.
-    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.0), 10_000, OPTIONS)
+    device_only = dataclasses.replace(OPTIONS, allow_cpu=False, nvme_available=False)
+    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.0), 10_000, device_only)
     assert (best.cache_blocks, best.prefetch_depth) == ("all", 2)
     assert report.winner.step_s == pytest.approx(15.0)
     no_prefetch = evaluate_plan(dataclasses.replace(best, prefetch_depth=0), MODEL,
@@ -173,9 +294,21 @@ def test_without_overlap_prefetch_saves_nothing_and_the_bound_adds_up():
     assert no_prefetch.cost.step_s == pytest.approx(15.0)
     assert (report.lower_bound_reason, report.lower_bound_s) == ("network", pytest.approx(14.0))
     # Overlap 0.5: prefetch saves again (13.5 s against 14 s); the bound is 8 + 0.5 * 6 = 11 s.
-    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.5), 10_000, OPTIONS)
+    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.5), 10_000, device_only)
     assert (best.cache_blocks, best.prefetch_depth, report.winner.step_s) == ("all", 2, pytest.approx(13.5))
     assert report.lower_bound_s == pytest.approx(11.0)
+
+
+def test_offload_the_search_is_not_forced_to_take():
+    # Overlap 0 with room for everything, offload allowed. Without prefetch the schedule ends at 12
+    # (test_every_chunk_gathered_without_prefetch) + 2 s contention: 14; chunk 1 is gathered 3 -> 5
+    # for p1. Offloading chunk 1: the next step can start at 14.5 (device optimizer 0.5 s), the
+    # worker runs 14 -> 17, the deadline is 14.5 + 5 - 2 = 17.5: hidden. 14.5 s < 15 s on the
+    # device. Prefetching chunk 1 (ready at 4) moves its deadline to 16.5: 15 s, so depth 0 wins.
+    best, report = search(MODEL, dataclasses.replace(HARDWARE, comm_overlap=0.0), 10_000, OPTIONS)
+    assert (best.cache_blocks, best.prefetch_depth, report.winner.step_s) == ("all", 0, pytest.approx(14.5))
+    assert [c.placement for c in best.chunks] == ["device", "cpu"] and report.cost.exposed_host_s == 0.0
+    assert "all-device state fits too" in report.summary()
 
 
 @settings(max_examples=40, deadline=None)

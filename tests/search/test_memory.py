@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from lightning_elixir.search import SearchOptions, build_layout, memory_breakdown
 from tests.search.profiles import chain_profile
 
@@ -35,9 +37,37 @@ def test_offloading_moves_state_off_the_device():
     assert cpu.host_bytes == 50 * 16
     assert cpu.peak_bytes == (4000 - 800) * 105 // 100
     nvme = memory_breakdown(layout, model, 2, ("device", "nvme"), OPTIONS)
-    assert nvme.host_bytes == 50 * 4  # the gradient shard is staged on the host
-    assert nvme.nvme_bytes == 50 * (4 + 8)  # master and optimizer states are paged
+    # The gradient shard is staged on the host; the record (master and optimizer states, 600 B) is
+    # paged through 3 page buffers, each a 4096 B header block and the record padded to 4096 B.
+    assert nvme.host_bytes == 50 * 4 + 3 * (4096 + 4096)
+    assert nvme.nvme_bytes == 4096 + 4096  # the file: a header block and the padded record
     assert nvme.peak_bytes == cpu.peak_bytes
+
+
+def test_nvme_page_buffers_are_sized_by_the_largest_nvme_record():
+    # Public chunks of 6000 elements (m1, m2) and a private chunk of 10000 (m0, tied) at world size 2,
+    # bf16, AdamW: shards of 3000, 3000 and 5000; a record (fp32 master + AdamW) is 12 B per element.
+    model = chain_profile([[10_000], [6_000], [6_000]], shared=(0,))
+    layout = build_layout(model, 6_000, 2)
+    assert [(c.numel, c.private) for c in layout.chunks] == [(6_000, False), (6_000, False), (10_000, True)]
+    options = dataclasses.replace(OPTIONS, nvme_buffers=2)
+    # Chunk 1 on the CPU, chunks 0 and 2 on NVMe: the private chunk's record is the largest.
+    m = memory_breakdown(layout, model, 2, ("nvme", "cpu", "nvme"), options)
+    cpu_state = 3000 * (4 + 8 + 4)  # 48000
+    staged_grads = (3000 + 5000) * 4  # 32000
+    pages = 2 * (4096 + 61440)  # a header block + 5000 * 12 = 60000 B padded to 15 blocks of 4096 B, twice
+    assert m.host_bytes == cpu_state + staged_grads + pages == 211072
+    # Files: header block + 3000 * 12 = 36000 B padded to 36864; header block + 61440.
+    assert m.nvme_bytes == (4096 + 36864) + (4096 + 61440) == 106496
+    # The private chunk on the CPU instead: the largest NVMe record is 36000 B, 9 blocks.
+    m = memory_breakdown(layout, model, 2, ("nvme", "nvme", "cpu"), options)
+    assert m.host_bytes == 5000 * 16 + 2 * 3000 * 4 + 2 * (4096 + 36864) == 185920
+    assert memory_breakdown(layout, model, 2, ("cpu", "cpu", "device"), options).nvme_bytes == 0
+
+
+def test_nvme_needs_a_page_buffer():
+    with pytest.raises(ValueError, match="nvme_buffers"):
+        SearchOptions(nvme_buffers=0)
 
 
 def test_fewer_blocks_and_a_private_chunk():

@@ -1,4 +1,4 @@
-"""The search: plans fit, more memory is never slower, and it shards before it offloads."""
+"""The search: plans fit, more memory is never slower, and it shards before it offloads unless offload hides."""
 
 from __future__ import annotations
 
@@ -73,8 +73,22 @@ def test_a_larger_budget_is_never_predicted_slower(problem, factor):
 
 @settings(max_examples=40, deadline=None)
 @given(chain_profiles(), hardwares(), st.integers(1, 4))
-def test_ample_memory_keeps_every_chunk_gathered_and_all_state_on_the_device(model, hw, world_size):
-    plan, report = search(model, hw, AMPLE, options_for(world_size))
+def test_ample_memory_keeps_every_chunk_gathered_and_offloads_only_to_be_faster(model, hw, world_size):
+    options = options_for(world_size)
+    plan, report = search(model, hw, AMPLE, options)
+    assert plan.cache_blocks == "all" and report.winner.all_gathered
+    event(f"offloads={plan.offloads}")
+    if plan.offloads:  # host work hides and the device optimizer shrinks: strictly faster
+        on_device = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, placement="device")
+                                                           for c in plan.chunks))
+        assert round(evaluate_plan(on_device, model, hw, options).cost.step_s * 1e9) > round(report.winner.step_s * 1e9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chain_profiles(), hardwares(), st.integers(1, 4))
+def test_where_the_host_is_the_device_ample_memory_keeps_all_state_on_it(model, hw, world_size):
+    # Nothing hides, and the CPU optimizer is never faster than the device's: offloading is a strict cost.
+    plan, report = search(model, dataclasses.replace(hw, device_name="cpu"), AMPLE, options_for(world_size))
     assert plan.cache_blocks == "all"
     assert not plan.offloads
     assert report.winner.all_gathered and report.winner.offloaded == 0
@@ -99,14 +113,20 @@ FAST_NETWORK = hardware(all_gather_bytes_per_s=((1, 1e15),), reduce_scatter_byte
 
 
 @settings(max_examples=40, deadline=None)
-@given(chain_profiles(), st.integers(1, 4))
-def test_below_ample_it_shards_first_and_offloads_only_below_that(model, world_size):
+@given(chain_profiles(), st.integers(1, 4), st.sampled_from([
+    # The host is the device: host work hides nothing.
+    dataclasses.replace(FAST_NETWORK, device_name="cpu"),
+    # Host work could hide, but one update (>= 1 element at 5 per second) outlasts any chain's
+    # forward (<= 9 accesses of <= 10 ms): it never hides.
+    dataclasses.replace(FAST_NETWORK, optimizer_cpu_numel_per_s=5.0),
+]))
+def test_below_ample_it_shards_first_and_offloads_only_below_that(model, world_size, hw):
     options = options_for(world_size)
     all_gathered, fewest = no_offload_peaks(model, options)
     assume(fewest < all_gathered)
-    plan, _ = search(model, FAST_NETWORK, all_gathered - 1, options)
+    plan, _ = search(model, hw, all_gathered - 1, options)
     assert plan.cache_blocks != "all" and not plan.offloads
-    plan, _ = search(model, FAST_NETWORK, fewest - 1, options)
+    plan, _ = search(model, hw, fewest - 1, options)
     assert plan.offloads
 
 
@@ -134,6 +154,21 @@ def test_report_explains_the_choice():
     assert {s.chunk_numel for s in report.layouts} == set(candidate_chunk_numels(model, options))
     assert "predicted/lower bound" in report.summary()
     assert report.to_dict()["candidates"][0]["step_s"] == report.winner.step_s
+
+
+def test_the_report_names_where_chunks_went_and_why():
+    model = gpt_profile(256, 4, vocab=1000, seq=64)
+    options = options_for(4, nvme_available=True, host_memory_bytes=8 << 20)
+    budget = frugal_plan(model, hardware(), options).memory.peak_bytes  # the most frugal plan just fits
+    plan, report = search(model, hardware(), budget, options)
+    placements = [c.placement for c in plan.chunks]
+    counts = tuple(placements.count(p) for p in ("device", "cpu", "nvme"))
+    assert counts[1] and counts[2]  # host memory holds some chunks, NVMe takes the rest
+    summary = report.summary()
+    assert "placement: {} device, {} cpu, {} nvme: all-device state needs".format(*counts) in summary
+    assert "over the budget by" in summary and f"so {counts[2]} go to NVMe" in summary
+    assert f"exposed {report.cost.exposed_host_s * 1e3:.2f}ms" in summary
+    assert report.memory.host_bytes <= 8 << 20 and report.memory.nvme_bytes > 0
 
 
 def test_a_20b_profile_searches_in_seconds():
