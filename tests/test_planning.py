@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -14,13 +15,13 @@ from lightning.pytorch.callbacks import Callback
 
 from examples.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy
-from lightning_elixir.planner import plan_automatically
+from lightning_elixir.planner import OffloadSettings, plan_automatically
 from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search import NoPlanFitsError, build_layout, simulate_gathers
-from tests.distributed import free_port
+from tests.distributed import free_port, run_distributed
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
 
@@ -98,3 +99,51 @@ def test_auto_plans_through_the_trainer_and_every_rank_runs_the_same_plan(tmp_pa
     assert any(spec.private and spec.params == ("model.wte.weight",) for spec in plan.chunks)
     assert "budget 2.00 GiB" in ranks[0]["summary"]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in ranks)
+
+
+def _auto_offload(rank: int, world_size: int, nvme_path: str) -> dict:
+    """plan='auto' below the all-device minimum: the plan offloads, trains, and the runtime holds
+    on the device, in host memory and on NVMe the bytes the plan predicted."""
+    group = Group.default()
+    settings = dict(device=torch.device("cpu"), group=group, compute_dtype=torch.float32, autocast_dtype=None,
+                    micro_batches=1, step_fn=_step)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with pytest.raises(NoPlanFitsError) as device_only:
+        plan_automatically(model, _batch(), memory_limit=1 << 20, offload=OffloadSettings(allow_cpu=False),
+                           **settings)
+    minimum = device_only.value.min_device_bytes  # the least any all-device plan needs
+    result = plan_automatically(model, _batch(), memory_limit=minimum - 1,
+                                offload=OffloadSettings(nvme_path=nvme_path), **settings)
+    runtime = ElixirRuntime(model, result.plan, nvme_path=nvme_path)
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for _ in range(3):
+        loss = _step(model, _batch())
+        losses.append(loss.item())
+        loss.backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+    stats = runtime.memory_stats()
+    # The plan counts optimizer state for whole shards; torch holds it for parameters only, not for
+    # the padding between and after them (which differs by rank).
+    padding = {"device": 0, "cpu": 0}
+    for chunk in runtime.chunks:
+        used = sum(end - begin for begin, end in map(chunk.shard_range, chunk.slots))
+        padding[chunk.placement if chunk.placement != "nvme" else "cpu"] += (chunk.shard_numel - used) * 8
+    runtime.restore_module()
+    return {"plan": result.plan.to_dict(), "memory": dataclasses.asdict(result.report.memory), "stats": stats,
+            "losses": losses, "summary": result.report.summary(), "padding": padding}
+
+
+def test_auto_offloads_below_the_all_device_minimum_and_counts_what_it_predicted(tmp_path):
+    for result in run_distributed(_auto_offload, 2, str(tmp_path)):
+        plan = ElixirPlan.from_dict(result["plan"])
+        assert plan.offloads, result["summary"]
+        assert "placement:" in result["summary"] and "over the budget" in result["summary"]
+        predicted, counted, padding = result["memory"], result["stats"], result["padding"]
+        assert counted["param_shard_bytes"] == predicted["param_shard_bytes"]
+        assert counted["nvme_bytes"] == predicted["nvme_bytes"]
+        for key, where in (("device_state_bytes", "device"), ("host_bytes", "cpu")):
+            assert predicted[key] - padding[where] == counted[key], (key, counted[key], predicted[key])
+        assert result["losses"][-1] < result["losses"][0]
