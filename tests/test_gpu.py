@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ElixirPlan
+from lightning_elixir.runtime.layout import resolve_specs
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 
@@ -57,3 +59,26 @@ def test_cuda_zero3_holds_less_than_zero2():
         _train(model, runtime, opt, 2, autocast=True)
         peaks[blocks] = runtime.memory_stats()["peak_gathered_public_chunks"]
     assert peaks["min"] < peaks["all"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_cuda_offloaded_chunks_train_as_device_chunks(tmp_path, precision):
+    """Gradients land on the host through the copy stream, fused CPU updates run on the worker and
+    upload to the device: the same curve as the all-device plan (CPU fused vs CUDA kernels: rounding)."""
+    autocast = precision == "bf16-mixed"
+    dtypes = dict(compute_dtype=torch.bfloat16, master_dtype=torch.float32) if autocast else {}
+    losses, stats = {}, {}
+    for name, placements in (("device", ("device",)), ("mixed", ("device", "cpu", "nvme"))):
+        torch.manual_seed(0)
+        model = GPT(CONFIG).cuda()
+        specs = resolve_specs(model, ElixirPlan(chunk_numel=1 << 20), 1)
+        chunks = tuple(dataclasses.replace(s, placement=placements[i % len(placements)]) for i, s in enumerate(specs))
+        runtime = ElixirRuntime(model, ElixirPlan(chunks=chunks, world_size=1, cache_blocks="all"), device="cuda",
+                                nvme_path=str(tmp_path), **dtypes)
+        opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses[name] = _train(model, runtime, opt, 6, autocast=autocast)
+        stats[name] = runtime.memory_stats()
+        runtime.restore_module()
+    assert losses["mixed"] == pytest.approx(losses["device"], rel=1e-3)
+    assert stats["mixed"]["host_bytes"] > 0 and stats["mixed"]["nvme_bytes"] > 0
+    assert stats["mixed"]["device_state_bytes"] < stats["device"]["device_state_bytes"]

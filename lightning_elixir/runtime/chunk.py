@@ -214,8 +214,13 @@ class Chunk:
             buf[begin:end].zero_()
         return buf
 
-    def start_reduce(self) -> None:
-        """Sum the (pre-averaged) full gradient over ranks into this rank's shard (async)."""
+    def start_reduce(self, copy_stream: Any = None, accumulate: bool = False) -> None:
+        """Sum the (pre-averaged) full gradient over ranks into this rank's shard (async).
+
+        With a ``copy_stream`` (an offloaded chunk on a GPU) the reduced shard also starts its way to
+        the host gradient shard at once, overlapping the rest of backward ([Note: landing gradients
+        on the host]).
+        """
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = self._new_grad_buffer()
         for slot in self.slots:  # trainable parameters unused this time: a zero gradient
@@ -224,6 +229,30 @@ class Chunk:
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
         work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True)
         self._reduce = (work, out)
+        if copy_stream is not None:
+            self._reduce = self._land_on_host(work, out, copy_stream, accumulate)
+
+    def _land_on_host(self, work: Any, out: torch.Tensor, stream: Any, accumulate: bool) -> tuple[Any, torch.Tensor]:
+        """Queue the device-to-host copy of a reduced shard behind its reduce-scatter.
+
+        [Note: landing gradients on the host]
+        ``work.wait()`` on an NCCL work makes the current stream wait for the collective, not the
+        host. The copy stream then waits for the current stream and copies the shard into pinned
+        host memory without blocking: directly into the gradient shard when it is overwritten, or
+        into a staging buffer when it accumulates (added on the host at the end of backward). The
+        event recorded after the copy is what ``finish_reduce`` waits for; ``out`` stays referenced
+        until then, so the allocator cannot reuse it while the copy reads it.
+        """
+        self.settle()  # the previous update reads the gradient shard this copy overwrites
+        work.wait()
+        stream.wait_stream(torch.cuda.current_stream(out.device))
+        target = (torch.empty(out.shape, dtype=self.grad_shard.dtype, pin_memory=True) if accumulate
+                  else self.grad_shard)
+        with torch.cuda.stream(stream):
+            target.copy_(out.to(target.dtype), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _Landed(event, out, into_shard=not accumulate), target
 
     def finish_reduce(self, accumulate: bool) -> None:
         """Wait for the reduce-scatter and write (or add) the result into the gradient shard."""
@@ -231,12 +260,12 @@ class Chunk:
         work, out = self._reduce
         work.wait()
         self.settle()  # an offloaded update may still read the previous step's gradient
-        if out.device != self.grad_shard.device:
+        if not (isinstance(work, _Landed) and work.into_shard):  # else: already copied into the shard
             out = out.to(self.grad_shard.device)
-        if accumulate:
-            self.grad_shard.add_(out)
-        else:
-            self.grad_shard.copy_(out)
+            if accumulate:
+                self.grad_shard.add_(out)
+            else:
+                self.grad_shard.copy_(out)
         self.grad_full = None
         self._reduce = None
 
@@ -256,6 +285,20 @@ class Chunk:
         """Copy the updated master shard into the compute-dtype shard that gets gathered."""
         if self.master is not self.shard:
             self.shard.copy_(self.master)
+
+
+@dataclass
+class _Landed:
+    """A reduced shard on its way to the host: done when the copy's event has completed."""
+
+    event: Any
+    source: torch.Tensor
+    """The device shard being copied (kept alive until the copy is done)."""
+    into_shard: bool
+    """The copy goes straight into the gradient shard (else into a staging buffer to add)."""
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:

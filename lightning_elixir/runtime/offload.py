@@ -122,6 +122,8 @@ class OffloadEngine:
         self.layout_fields: tuple[tuple[str, torch.dtype], ...] = ()
         self.on_disk: set[int] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="elixir-offload") if self.chunks else None
+        self.copy_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
+        """Where offloaded gradient shards are copied to the host as their reduce-scatters finish."""
         self.update_s = 0.0
         self.updates = 0
         if self.nvme:

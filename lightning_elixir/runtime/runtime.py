@@ -261,8 +261,13 @@ class ElixirRuntime:
         """Start reduce-scatters in the fixed order while the next chunk in it is complete."""
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].grads_complete:
-            order[self._next_reduce].start_reduce()
+            self._start_reduce(order[self._next_reduce])
             self._next_reduce += 1
+
+    def _start_reduce(self, chunk: Chunk) -> None:
+        """Reduce-scatter; an offloaded chunk on a GPU also starts copying its shard to the host."""
+        stream = self.offload.copy_stream if chunk.offloaded else None
+        chunk.start_reduce(stream, accumulate=stream is not None and self._accumulates(chunk))
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -276,7 +281,7 @@ class ElixirRuntime:
             self._drop_recompute_pins()
             self.access.flush_grads()
             for chunk in self._reduce_order[self._next_reduce:]:
-                chunk.start_reduce()
+                self._start_reduce(chunk)
             for chunk in self._reduce_order:
                 chunk.finish_reduce(accumulate=self._accumulates(chunk))
                 self._grad_valid[chunk.index] = True
