@@ -175,8 +175,19 @@ def host_memory_bytes(limit: MemoryLimit, local_world_size: int) -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit is not None:
         return parse_memory_limit(limit, total) // max(local_world_size, 1)
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return int(0.8 * available) // max(local_world_size, 1)
+    return int(0.8 * _available_host_bytes()) // max(local_world_size, 1)
+
+
+def _available_host_bytes() -> int:
+    """Host memory available now: Linux's MemAvailable (free plus reclaimable cache), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def measure_hardware(device: torch.device, group: Group, compute_dtype: torch.dtype,
