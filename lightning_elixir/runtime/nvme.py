@@ -417,12 +417,17 @@ class NvmeStore:
                 self.release(page)
 
     def _write_file(self, path: Path, view: memoryview, aligned: bool) -> None:
-        """Create or replace ``path`` with the bytes of ``view``."""
-        fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, aligned)
+        """Create ``path`` or overwrite it in place with the bytes of ``view``.
+
+        Not ``O_TRUNC``: records keep their size, and truncating frees and reallocates the file's
+        blocks on every write (measured about half the write bandwidth with ``O_DIRECT``)."""
+        fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT, aligned)  # fixed size: overwrite in place
         try:
             written = _transfer(lambda v, offset: os.pwrite(fd, v, offset), view)
             if written != len(view):
                 raise OSError(errno.EIO, f"wrote {written} of {len(view)} bytes")
+            if os.fstat(fd).st_size > written:  # never for a record of fixed size; cheap to make sure
+                os.ftruncate(fd, written)
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # start write-back, keep no cache
         finally:
