@@ -8,11 +8,10 @@ import os
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -22,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
@@ -177,6 +178,8 @@ class ElixirStrategy(ParallelStrategy):
         self.unshard_on_teardown = unshard_on_teardown
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
+        self._atomic_io = AtomicCheckpointIO()  # saves through the Trainer's checkpoint_io, atomically
+        self._spliced_into: Optional[_WrappingCheckpointIO] = None  # the wrapper that holds _atomic_io
 
     # ---- precision --------------------------------------------------------------------------
 
@@ -258,6 +261,8 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._prepare_checkpoint_dirs(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
@@ -413,12 +418,45 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if not self.is_global_zero:
-            return
-        path = Path(filepath)
-        tmp = path.with_name(f".{path.name}.tmp")
-        self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-        os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated checkpoint
+        if self.is_global_zero:  # as under DDP: rank 0 holds the full checkpoint and writes it
+            self._saving_io().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _saving_io(self) -> Any:
+        """The Trainer's checkpoint_io, with the AtomicCheckpointIO around the plugin in it that writes files.
+
+        A wrapping plugin (AsyncCheckpointIO) gets it as its inner plugin, so that the rename happens
+        in the saving thread after the write; the strategy's own ``checkpoint_io`` stays the user's object.
+        See [Note: temporary checkpoint names] in checkpoint_io.py."""
+        io = self.checkpoint_io
+        holder = io if isinstance(io, _WrappingCheckpointIO) else None
+        while holder is not None and isinstance(holder.checkpoint_io, _WrappingCheckpointIO):
+            holder = holder.checkpoint_io
+        base = io if holder is None else holder.checkpoint_io
+        if base is not self._atomic_io:
+            self._unsplice()
+            self._atomic_io.checkpoint_io, self._atomic_io.stream_local = base, type(base) is TorchCheckpointIO
+            if holder is not None:
+                holder._checkpoint_io = self._atomic_io  # the public setter only fills an empty slot
+                self._spliced_into = holder
+        return self._atomic_io if holder is None else io
+
+    def _unsplice(self) -> None:
+        """Give the wrapping plugin that holds the AtomicCheckpointIO its own plugin back."""
+        wrapper, self._spliced_into = self._spliced_into, None
+        if wrapper is not None and wrapper.checkpoint_io is self._atomic_io:
+            wrapper._checkpoint_io = self._atomic_io.checkpoint_io
+
+    def _prepare_checkpoint_dirs(self, trainer: Any) -> None:
+        """Fail before any work on a checkpoint directory that cannot be written; clear leftovers of killed saves."""
+        dirs = [str(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+        problem = None
+        if self.is_global_zero:  # the only rank that writes
+            problem = next((p for p in map(checkpoint_dir_problem, dirs) if p), None)
+            for directory in dirs if problem is None else ():
+                self._atomic_io.remove_leftovers(directory)
+        problem = self.broadcast(problem)  # every rank raises, instead of the others waiting on rank 0
+        if problem:
+            raise ValueError(problem)
 
     @override
     def teardown(self) -> None:
@@ -429,10 +467,11 @@ class ElixirStrategy(ParallelStrategy):
             self.runtime = self.precision_plugin.runtime = None
         if self.runtime is None:
             super().teardown()  # moves the (plain) module to the CPU, as for DDP; checkpoint_io too
-            return
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        else:
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+        self._unsplice()  # after checkpoint_io.teardown() waited for asynchronous saves
 
     @classmethod
     @override
