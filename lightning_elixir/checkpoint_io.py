@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import string
 import threading
 from collections.abc import Generator
@@ -215,6 +216,22 @@ def _rename(fs: AbstractFileSystem, tmp: str, target: str) -> None:
         _fsync(os.path.dirname(target))
 
 
+def replace_dir(tmp: str, target: str) -> None:
+    """Put the complete directory ``tmp`` at ``target`` (local), replacing a checkpoint already there.
+
+    Two renames when ``target`` exists: it is first moved to a temporary name (removed afterwards,
+    or by the next run's sweep), so a kill between them leaves no partial checkpoint at ``target``."""
+    old = None
+    if os.path.lexists(target):
+        old = os.path.join(os.path.dirname(target), temp_name())
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if os.name == "posix":
+        _fsync(os.path.dirname(target) or ".")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -226,7 +243,7 @@ def _fsync(path: str) -> None:
 def _remove(fs: AbstractFileSystem, path: str) -> bool:
     """Remove a file if it is there; a failure is logged, not raised (it is only a leftover)."""
     try:
-        fs.rm(path)
+        fs.rm(path, recursive=True)  # a sharded save's temporary directory too
     except FileNotFoundError:
         return False
     except (OSError, ValueError) as err:  # ValueError: a directory

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem
+from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, replace_dir, temp_name
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
@@ -42,6 +42,7 @@ from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.nvme import check_nvme_path
+from lightning_elixir.runtime.sharded import load_sharded, save_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -49,6 +50,8 @@ from lightning_elixir.search.budget import check_memory_limit
 log = logging.getLogger(__name__)
 
 PlanInput = Union[str, ElixirPlan, Mapping[str, Any], os.PathLike]
+_SHARDED_LOADED = "_elixir_sharded_loaded"
+"""Marks a checkpoint dict whose model and optimizer state ``load_checkpoint`` already loaded from shards."""
 
 
 def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
@@ -100,6 +103,11 @@ class ElixirStrategy(ParallelStrategy):
             removed at teardown (and by the next run, after a crash).
         host_memory_limit: host memory plan="auto" may fill with offloaded state, per machine:
             bytes, "64GiB" or a fraction of the host's memory. Default: 80% of what is available.
+        state_dict_type: "full": one checkpoint file with plain parameter names and a plain torch
+            optimizer state dict, gathered chunk by chunk on rank 0 (loads into a plain module).
+            "sharded": a directory in torch.distributed.checkpoint format, every rank writing its own
+            shards in parallel; it resumes at any world size, chunk size, cache and placement, and
+            ``lightning-elixir convert`` turns it into a full file. Either format loads either way.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -122,6 +130,7 @@ class ElixirStrategy(ParallelStrategy):
                  hardware_profile: Union[HardwareProfile, str, None] = None,
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
+                 state_dict_type: str = "full",
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -161,6 +170,10 @@ class ElixirStrategy(ParallelStrategy):
                 raise ValueError(f"host_memory_limit={host_memory_limit!r} is used by plan='auto' to choose a plan "
                                  f"and has no effect on {fixed}: remove it, or use plan='auto'")
         self.host_memory_limit = host_memory_limit
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type={state_dict_type!r}: use 'full' (one file) or 'sharded' (a directory "
+                             "each rank writes its shards to)")
+        self.state_dict_type = state_dict_type
         if process_group_backend is not None and (not isinstance(process_group_backend, str)
                                                   or not process_group_backend.strip()):
             raise ValueError(f"process_group_backend={process_group_backend!r}: use a torch.distributed backend "
@@ -389,11 +402,15 @@ class ElixirStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.runtime is None:  # the module has its plain parameters back
             return super().lightning_module_state_dict()
+        if self.state_dict_type == "sharded":
+            return {}  # save_checkpoint writes each rank's shards
         return sd.full_state_dict(self.runtime, keep=self.is_global_zero)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.runtime is not None
+        if checkpoint.get(_SHARDED_LOADED):
+            return  # load_checkpoint loaded the shards
         sd.load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
 
     @override
@@ -403,11 +420,15 @@ class ElixirStrategy(ParallelStrategy):
         if not optimizer.param_groups:  # Lightning's stand-in when configure_optimizers returns None
             return optimizer.state_dict()
         assert self.runtime is not None
+        if self.state_dict_type == "sharded":
+            return {}  # save_checkpoint writes each rank's shards
         return sd.full_optimizer_state_dict(self.runtime, optimizer, keep=self.is_global_zero)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.runtime is not None
+        if checkpoint.get(_SHARDED_LOADED):
+            return  # load_checkpoint loaded the shards
         states = checkpoint.get("optimizer_states", [])
         if len(states) != len(self.optimizers):
             raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(self.optimizers)} optimizers "
@@ -418,8 +439,37 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self.is_global_zero:  # as under DDP: rank 0 holds the full checkpoint and writes it
+        if self.state_dict_type == "sharded" and self.runtime is not None:
+            self._save_sharded(checkpoint, filepath)
+        elif self.is_global_zero:  # as under DDP: rank 0 holds the full checkpoint and writes it
             self._saving_io().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank writes its shards into a temporary directory, which rank 0 then renames into place.
+
+        A killed save leaves only the temporary directory (removed by the next run, like a temporary
+        file of a full save); DCP's ``.metadata``, written last, marks a directory complete."""
+        path = os.fspath(filepath)
+        if "://" in path and not path.startswith("file://"):
+            raise ValueError(f"state_dict_type='sharded' writes a local directory, not {path!r}; use "
+                             "state_dict_type='full' for remote checkpoint paths")
+        path = path.removeprefix("file://")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = self.broadcast(os.path.join(os.path.dirname(os.path.abspath(path)), temp_name()))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(self.runtime, self.optimizers, tmp, extra)
+        self.barrier()
+        if self.is_global_zero:
+            replace_dir(tmp, path)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
+        path = os.fspath(checkpoint_path)
+        if self.runtime is None or not os.path.isdir(path):
+            return super().load_checkpoint(checkpoint_path, **kwargs)  # a full file (ours, DDP's, one device's)
+        extra = load_sharded(self.runtime, self.optimizers, path)
+        return {**extra, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
 
     def _saving_io(self) -> Any:
         """The Trainer's checkpoint_io, with the AtomicCheckpointIO around the plugin in it that writes files.
