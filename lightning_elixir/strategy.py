@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -40,7 +41,7 @@ from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_t
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
-from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded, save_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
@@ -108,6 +109,11 @@ class ElixirStrategy(ParallelStrategy):
             "sharded": a directory in torch.distributed.checkpoint format, every rank writing its own
             shards in parallel; it resumes at any world size, chunk size, cache and placement, and
             ``lightning-elixir convert`` turns it into a full file. Either format loads either way.
+        collective_timeout_s: longest wait, in seconds, for one of Elixir's collectives before every
+            rank raises ``RankDivergenceError`` (ranks that issued different collectives, e.g. a branch
+            on each rank's data that runs a module on one rank only). Default: 600 s, or ``timeout``
+            when it is set. Raise it if a rank can legitimately be late by more (rank-only work in a
+            callback). On NCCL the process group's ``timeout`` applies instead.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -130,7 +136,7 @@ class ElixirStrategy(ParallelStrategy):
                  hardware_profile: Union[HardwareProfile, str, None] = None,
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
-                 state_dict_type: str = "full",
+                 state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -180,6 +186,12 @@ class ElixirStrategy(ParallelStrategy):
                              "name such as 'nccl' or 'gloo', or None for the device's default")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
             raise ValueError(f"timeout={timeout!r}: use a positive datetime.timedelta, e.g. timedelta(minutes=30)")
+        if collective_timeout_s is None:  # a longer timeout the user chose must not be cut short
+            chose = timeout is not None and timeout != default_pg_timeout
+            collective_timeout_s = timeout.total_seconds() if chose else DEFAULT_TIMEOUT_S
+        self._group_timeout_s = collective_timeout_s
+        Group(None, 0, 1, collective_timeout_s)  # validates it now, before launch
+        self._failed = False
         self.planning: Optional[PlanningResult] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -292,7 +304,7 @@ class ElixirStrategy(ParallelStrategy):
         rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
                        f"prefetch_depth={plan.prefetch_depth}" + (f", sharded state: {placed}" if plan.offloads else ""))
         return ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
-                             group=Group.default(), private_params=self.private_params,
+                             group=self._group(), private_params=self.private_params,
                              grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
                              nvme_path=self.nvme_path)
 
@@ -302,7 +314,7 @@ class ElixirStrategy(ParallelStrategy):
         precision = self.precision_plugin
         # plans for the stage being run (fit, validate, test, predict), from that stage's own data
         self.planning = plan_for_trainer(
-            self.model, trainer, device=self.root_device, group=Group.default(),
+            self.model, trainer, device=self.root_device, group=self._group(),
             compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
             memory_limit=self.device_memory_limit, local_world_size=self.num_processes,
             hardware=self.hardware_profile, private_params=self.private_params,
@@ -316,6 +328,10 @@ class ElixirStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             shard_optimizer(self.runtime, optimizer)
+
+    def _group(self) -> Group:
+        """The data-parallel group, with this strategy's bound on collective waits."""
+        return Group.default(timeout_s=self._group_timeout_s)
 
     @override
     def model_to_device(self) -> None:
@@ -509,10 +525,17 @@ class ElixirStrategy(ParallelStrategy):
             raise ValueError(problem)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not gather: a failed group would raise over the real error
+
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
-        if self.runtime is not None and self.unshard_on_teardown:
+        if self.runtime is not None and self._failed:
+            with contextlib.suppress(Exception):  # the run's own error is the one to see
+                self.runtime.offload.close()  # the shards stay; NVMe files go
+        elif self.runtime is not None and self.unshard_on_teardown:
             self.runtime.restore_module()
             self.runtime = self.precision_plugin.runtime = None
         if self.runtime is None:

@@ -115,7 +115,8 @@ class Chunk:
         self.settle()
         self._move(ChunkState.GATHERING)
         self.full.untyped_storage().resize_(self.full_bytes)
-        self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=async_op)
+        self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=async_op,
+                                                    chunk=self.index)
 
     def finish_gather(self) -> None:
         """GATHERING -> HOLD: wait for the all-gather and point parameters at their views."""
@@ -178,7 +179,7 @@ class Chunk:
         self.settle()
         device = self.full.device  # the collectives' device: an offloaded shard travels there first
         full = torch.empty(self.numel, dtype=shard.dtype, device=device)
-        collectives.all_gather(full, shard.to(device), self.group)
+        collectives.all_gather(full, shard.to(device), self.group, chunk=self.index)
         return full
 
     def write_back_grad(self, full: torch.Tensor) -> None:
@@ -227,7 +228,7 @@ class Chunk:
             if id(slot.param) in self.pending_grads:
                 self.grad_full[slot.offset:slot.end].zero_()
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
-        work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True)
+        work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True, chunk=self.index)
         self._reduce = (work, out)
         if copy_stream is not None:
             self._reduce = self._land_on_host(work, out, copy_stream, accumulate)

@@ -2,16 +2,60 @@
 
 With a world size of 1 (or no initialised process group) each one degenerates to a local copy,
 so a single process runs the same code path without ``torch.distributed``.
+
+[Note: bounded waits]
+A collective completes only when every rank of the group issues it. When ranks take different
+branches within a step (one rank runs a module that holds parameters, another skips it), their
+sequences of collectives stop matching and some rank waits for a collective nobody else issues.
+Left alone, it waits for the process group's timeout (30 minutes under Lightning), stuck in a
+C++ call where Python signal handlers (Lightning's SIGTERM handler, Ctrl-C) never run.
+
+So every wait here is bounded by ``Group.timeout_s``, in two places:
+
+- The collective is issued with ``timeout_s`` as its own timeout. Gloo enforces it on the thread
+  that runs the operation and then closes its connections: the operation's thread is free (a
+  process whose main thread raised exits at once, instead of waiting in the process group's
+  destructor for the stuck operation), the other ranks' pending collectives fail at once with
+  "connection closed by peer", and any later collective on the group fails at once too (a
+  teardown that gathers does not wait another ``timeout_s`` per chunk).
+- The host waits in slices of ``_WAIT_SLICE_S`` up to ``timeout_s``, so signal handlers run in
+  between, and a wait for an operation queued behind others is bounded from its own start.
+
+A timed-out or failed wait raises ``RankDivergenceError``, which names the collective, the chunk
+and the time waited, on every rank: each rank runs out of time on its own unmatched collective,
+or sees the connections another rank's timeout closed. Device (NCCL) collectives keep their
+semantics: a wait with a timeout would block the host until the collective ends (no more
+enqueuing work ahead of the GPU), so they wait as before, and NCCL's watchdog bounds them with
+the process group's timeout (it tears the process down with its own message); errors their
+wait raises are translated all the same.
+
+The default must never trip on a legitimate collective. Transfer time is not the risk: a
+chunk is at most a few hundred MiB, seconds even over 1 Gb/s Ethernet. The risk is a rank
+arriving late: data loading stalls, or work that some ranks do and others do not (rank 0
+writing a file in a callback). ``DEFAULT_TIMEOUT_S`` is NCCL's own default timeout for one
+collective in torch (10 minutes), which jobs already run under on GPUs.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+DEFAULT_TIMEOUT_S = 600.0
+"""How long one collective may take before the ranks are taken to have diverged ([Note: bounded waits])."""
+_WAIT_SLICE_S = 1.0
+"""Longest host wait between chances for Python signal handlers to run."""
+
+
+class RankDivergenceError(RuntimeError):
+    """A collective did not complete: the ranks did not issue the same collectives."""
 
 
 @dataclass(frozen=True)
@@ -24,62 +68,180 @@ class Group:
     """This process's rank in the group."""
     world_size: int
     """Number of ranks in the group."""
+    timeout_s: Optional[float] = DEFAULT_TIMEOUT_S
+    """Longest wait for one collective before ``RankDivergenceError`` ([Note: bounded waits]). None: no
+    bound of its own (the process group's timeout applies)."""
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
+            raise ValueError(f"timeout_s={t!r}: use a positive number of seconds, or None for the process group's "
+                             "own timeout")
 
     @classmethod
-    def default(cls) -> "Group":
+    def default(cls, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> "Group":
         """The default (world) group, or a single-process group when distributed is not initialised."""
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(None, 0, 1)
-        return cls(None, dist.get_rank(), dist.get_world_size())
+            return cls(None, 0, 1, timeout_s)
+        return cls(None, dist.get_rank(), dist.get_world_size(), timeout_s)
 
 
-# torch 2.13 renamed the *_into_tensor / *_tensor collectives; keep working on both sides of it.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the *_base / *_into_tensor collectives; keep working on both sides of it.
+_PG = dist.ProcessGroup
+_ALL_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
 
 
 class _Done:
     """A finished work handle, for the single-process path."""
 
-    def wait(self) -> bool:
-        return True
+    def wait(self) -> None:
+        return None
 
 
-def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False) -> Any:
-    """Gather every rank's ``shard`` into ``out`` (rank order). Returns a work handle if async."""
+class Pending:
+    """A collective in flight. ``wait()`` is bounded by the group's timeout and raises
+    ``RankDivergenceError`` when the collective does not complete."""
+
+    def __init__(self, work: Any, group: Group, what: str, on_host: bool) -> None:
+        self.work = work
+        self.group = group
+        self.what = what
+        """The collective in words, for errors: 'the all-gather of chunk 3 (4096 elements, 16.0 KiB)'."""
+        self.on_host = on_host
+        """A host-synchronous collective (CPU tensors: gloo), whose wait may block the host."""
+
+    def wait(self) -> None:
+        start = time.monotonic()
+        try:
+            if self.on_host and self.group.timeout_s is not None:
+                self._wait_bounded(start + self.group.timeout_s)
+            else:
+                self.work.wait()
+        except RankDivergenceError:
+            raise
+        except RuntimeError as err:  # the backend's own timeout, or a peer that left
+            raise RankDivergenceError(_message(self, time.monotonic() - start, err)) from err
+
+    def _wait_bounded(self, deadline: float) -> None:
+        """Wait in slices until done or ``deadline``; signal handlers run between slices."""
+        while True:
+            # A timedelta under 1 ms reaches torch as 0 ms, which means "no timeout".
+            slice_s = max(min(_WAIT_SLICE_S, deadline - time.monotonic()), 0.01)
+            try:
+                self.work.wait(timeout=timedelta(seconds=slice_s))
+                return
+            except RuntimeError:
+                if self.work.is_completed():  # the collective itself failed (or finished just now)
+                    self.work.wait()
+                    return
+                if time.monotonic() >= deadline:
+                    raise RankDivergenceError(_message(self, self.group.timeout_s, None)) from None
+
+
+def _message(pending: Pending, waited_s: float, err: Optional[BaseException]) -> str:
+    """What went wrong, why, and what to do ([Note: bounded waits])."""
+    group = pending.group
+    if err is None:
+        what = f"{pending.what} did not complete within {waited_s:.1f} s"
+    else:
+        what = f"{pending.what} failed after {waited_s:.1f} s ({str(err).strip()})"
+    limit = "unset" if group.timeout_s is None else f"{group.timeout_s:g} s"
+    return (f"rank {group.rank}: {what}. The ranks did not issue the same collectives in this step (unless another "
+            "rank failed first with an error of its own, which is then the cause): most often control flow that "
+            "depends on each rank's data differs between ranks (one rank ran a module that holds parameters, "
+            "another skipped it), or code reads parameters on some ranks only. Make that control flow agree across "
+            "ranks (decide branches from values every rank shares, or run every module on every rank and mask its "
+            "output). If a collective is legitimately slower (a rank delayed by work the others do not do), raise "
+            f"collective_timeout_s (now {limit}).")
+
+
+def _describe(kind: str, tensor: torch.Tensor, chunk: Optional[int]) -> str:
+    """'the all-gather of chunk 3 (4096 elements, 16.0 KiB)'."""
+    subject = f"the {kind}" + ("" if chunk is None else f" of chunk {chunk}")
+    return f"{subject} ({tensor.numel()} elements, {_size_text(tensor.numel() * tensor.element_size())})"
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _issue(work: Any, group: Group, what: str, tensor: torch.Tensor, async_op: bool) -> Optional[Pending]:
+    """Wrap a backend work handle; wait for it at once unless ``async_op``."""
+    pending = Pending(work, group, what, on_host=tensor.device.type == "cpu")
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _options(opts: Any, group: Group, async_op: bool) -> Any:
+    """Fill the fields every collective's options share: async and the per-operation timeout."""
+    opts.asyncOp = async_op
+    if group.timeout_s is not None:
+        opts.timeout = timedelta(seconds=group.timeout_s)
+    return opts
+
+
+def _pg(group: Group) -> Any:
+    return dist.group.WORLD if group.pg is None else group.pg
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False,
+               chunk: Optional[int] = None) -> Any:
+    """Gather every rank's ``shard`` into ``out`` (rank order). Returns a work handle if async.
+
+    ``chunk``: the index of the chunk gathered, named in errors.
+    """
     with record_function("Elixir::all_gather"):
         if group.world_size == 1:
             out.copy_(shard)
             return _Done() if async_op else None
-        return _all_gather_flat(out, shard, group=group.pg, async_op=async_op)
+        work = _ALL_GATHER(_pg(group), out, shard, _options(dist.distributed_c10d.AllgatherOptions(), group, async_op))
+        return _issue(work, group, _describe("all-gather", out, chunk), out, async_op)
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False) -> Any:
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False,
+                   chunk: Optional[int] = None) -> Any:
     """Sum ``full`` over ranks and leave this rank's slice in ``out``."""
     with record_function("Elixir::reduce_scatter"):
         if group.world_size == 1:
             out.copy_(full)
             return _Done() if async_op else None
-        return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
+        opts = _options(dist.distributed_c10d.ReduceScatterOptions(), group, async_op)
+        opts.reduceOp = dist.ReduceOp.SUM
+        work = _REDUCE_SCATTER(_pg(group), out, full, opts)
+        return _issue(work, group, _describe("reduce-scatter of gradients", full, chunk), out, async_op)
+
+
+def _all_reduce(tensor: torch.Tensor, group: Group, op: Any, name: str) -> torch.Tensor:
+    if group.world_size > 1:
+        opts = _options(dist.distributed_c10d.AllreduceOptions(), group, async_op=False)
+        opts.reduceOp = op
+        work = _pg(group).allreduce([tensor], opts)
+        _issue(work, group, _describe(name, tensor, None), tensor, async_op=False)
+    return tensor
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum ``tensor`` over ranks in place."""
-    if group.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.pg)
-    return tensor
+    return _all_reduce(tensor, group, dist.ReduceOp.SUM, "all-reduce (sum)")
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """Take the elementwise max of ``tensor`` over ranks in place."""
-    if group.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.pg)
-    return tensor
+    return _all_reduce(tensor, group, dist.ReduceOp.MAX, "all-reduce (max)")
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``src``'s copy (``src`` is a rank of the group)."""
     if group.world_size > 1:
-        global_src = src if group.pg is None else dist.get_global_rank(group.pg, src)
-        dist.broadcast(tensor, global_src, group=group.pg)
+        opts = _options(dist.distributed_c10d.BroadcastOptions(), group, async_op=False)
+        opts.rootRank = src  # the process group's own methods take ranks of the group
+        opts.rootTensor = 0
+        work = _pg(group).broadcast([tensor], opts)
+        _issue(work, group, _describe(f"broadcast from rank {src}", tensor, None), tensor, async_op=False)
     return tensor
