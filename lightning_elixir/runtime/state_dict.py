@@ -40,6 +40,11 @@ def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = 
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     source = {id(v): state_dict[k] for k, v in own.items() if k in state_dict}
+    wrong = [f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}" for k, v in own.items()
+             if k in state_dict and tuple(getattr(state_dict[k], "shape", ())) != tuple(v.shape)]
+    if wrong:  # before anything is loaded: a partial load would leave a model that is neither
+        raise ValueError(f"the checkpoint's shapes do not match the model ({len(wrong)} tensors), e.g. "
+                         f"{'; '.join(wrong[:3])}; was it saved from another model configuration?")
     runtime.release_all()
     chunked = runtime.param_ids()
     with torch.no_grad():
@@ -57,8 +62,6 @@ def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
         tensor = source.get(id(slot.param))
         if tensor is None:
             continue
-        if tuple(tensor.shape) != tuple(slot.shape):
-            raise ValueError(f"{slot.name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(slot.shape)}")
         begin, end = max(slot.offset, lo), min(slot.end, hi)
         if begin < end:
             flat = tensor.reshape(-1)[begin - slot.offset:end - slot.offset]

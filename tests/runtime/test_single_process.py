@@ -256,3 +256,16 @@ def test_lr_scheduler_drives_the_sharded_optimizer():
 def test_unknown_private_param_names_are_rejected():
     with pytest.raises(PlanError, match=r"private_params names \['lm_head.wieght'\] are not parameters"):
         ElixirRuntime(_gpt(), ElixirPlan(chunk_numel=4096), private_params=["lm_head.wieght"])
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_anything_loads():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
+    before = full_state_dict(runtime, keep=True)
+    bad = {k: v.clone() + 1 for k, v in before.items()}
+    name = next(k for k in bad if k.endswith("c_fc.weight"))
+    bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
+    with pytest.raises(ValueError, match="shapes do not match.*c_fc.weight"):
+        load_full_state_dict(runtime, bad)
+    after = full_state_dict(runtime, keep=True)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
