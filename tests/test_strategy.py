@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_elixir
-from examples.gpt import BigramDataModule, GPTLightningModule
+from examples.gpt import BigramDataModule, BigramTokens, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
 from lightning_elixir.runtime.layout import resolve_specs
 from tests.distributed import free_port
@@ -224,3 +224,28 @@ def test_an_unusable_nvme_path_fails_at_construction(tmp_path):
         ElixirStrategy(nvme_path=tmp_path / "file")
     with pytest.raises(ValueError, match="host_memory_limit"):
         ElixirStrategy(plan="zero3", host_memory_limit="1GiB")
+
+
+class TwoValidationSets(BigramDataModule):
+    """Two validation loaders of uneven lengths: 7 and 5 samples, batches of 2, over 2 ranks."""
+
+    def val_dataloader(self):
+        sets = [BigramTokens(64, 16, n, seed) for n, seed in ((7, 1), (5, 2))]
+        return [torch.utils.data.DataLoader(s, batch_size=2) for s in sets]
+
+
+class MultiValidation(GPTLightningModule):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log(f"val_loss_{dataloader_idx}", loss, sync_dist=True, add_dataloader_idx=False)
+
+
+def test_validation_with_several_uneven_dataloaders_completes(tmp_path):
+    L.seed_everything(0)
+    trainer = _trainer(tmp_path, "elixir_spawn", 1, [], limit_train_batches=2)
+    trainer.limit_val_batches = 1.0
+    trainer.fit(MultiValidation(**MODEL), TwoValidationSets(**DATA))
+    metrics = trainer.callback_metrics
+    assert {"val_loss_0", "val_loss_1"} <= set(metrics)
+    assert all(torch.isfinite(metrics[k]) for k in ("val_loss_0", "val_loss_1"))
