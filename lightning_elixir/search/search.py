@@ -121,24 +121,10 @@ def search(
     found = list(_candidates(spaces, model, hardware, budget_bytes, options, compute_s))
     if not found:
         raise no_plan_fits(model, hardware, budget_bytes, options)
-    ranked = _prefer_device(sorted(found, key=lambda e: e.key))
+    ranked = sorted(found, key=lambda e: e.key)
     plan = _plan(ranked[0], options)
     report = _report(ranked, spaces, model, hardware, budget_bytes, options)
     return plan, report
-
-
-OFFLOAD_MIN_GAIN = 0.01
-"""Offloading that memory does not force must be predicted this much faster (a fraction of the step)
-than the best plan with fewer offloaded chunks: the model leaves out the host's memory and PCIe
-bandwidth that the next step's uploads share, so a gain within it is not worth the host memory."""
-
-
-def _prefer_device(ranked: list[_Evaluated]) -> list[_Evaluated]:
-    """``ranked`` with the winner replaced by a less offloaded candidate within ``OFFLOAD_MIN_GAIN``."""
-    best = ranked[0]
-    close = [e for e in ranked if e.cost.step_s <= best.cost.step_s * (1.0 + OFFLOAD_MIN_GAIN)]
-    winner = min(close, key=lambda e: (e.candidate.offloaded, e.key))
-    return [winner] + [e for e in ranked if e is not winner]
 
 
 def _space(model: ModelProfile, hardware: HardwareProfile, options: SearchOptions, chunk_numel: int,
