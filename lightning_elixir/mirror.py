@@ -2,7 +2,7 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` ship the same code under two names, and each
 Trainer accepts only strategies built on its own base classes. Instead of a hand-kept second
-copy, the Lightning-facing modules (launcher, precision, strategy) are executed a second time
+copy, the Lightning-facing modules (launcher, precision, checkpointing, strategy) are executed a second time
 from their own source with the package names swapped, as Lightning itself derives one package
 from the other. The result lives under ``lightning_elixir.mirror.<module>``.
 """
@@ -13,7 +13,8 @@ import importlib.util
 import sys
 import types
 
-MIRRORED = ("lightning_elixir.launcher", "lightning_elixir.precision", "lightning_elixir.strategy")
+MIRRORED = ("lightning_elixir.launcher", "lightning_elixir.precision", "lightning_elixir.checkpointing",
+            "lightning_elixir.strategy")
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -22,7 +22,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -34,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, replace_dir, temp_name
+from lightning_elixir.checkpointing import CheckpointSaver, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
@@ -43,7 +42,7 @@ from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
 from lightning_elixir.runtime.nvme import check_nvme_path
-from lightning_elixir.runtime.sharded import load_sharded, save_sharded
+from lightning_elixir.runtime.sharded import load_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -203,8 +202,7 @@ class ElixirStrategy(ParallelStrategy):
         self.unshard_on_teardown = unshard_on_teardown
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
-        self._atomic_io = AtomicCheckpointIO()  # saves through the Trainer's checkpoint_io, atomically
-        self._spliced_into: Optional[_WrappingCheckpointIO] = None  # the wrapper that holds _atomic_io
+        self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
 
     # ---- precision --------------------------------------------------------------------------
 
@@ -287,7 +285,7 @@ class ElixirStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            self._prepare_checkpoint_dirs(trainer)
+            self._saver.prepare_dirs(self, trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
@@ -456,28 +454,10 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.state_dict_type == "sharded" and self.runtime is not None:
-            self._save_sharded(checkpoint, filepath)
+            save_sharded_checkpoint(self, checkpoint, filepath)
         elif self.is_global_zero:  # as under DDP: rank 0 holds the full checkpoint and writes it
-            self._saving_io().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        """Every rank writes its shards into a temporary directory, which rank 0 then renames into place.
-
-        A killed save leaves only the temporary directory (removed by the next run, like a temporary
-        file of a full save); DCP's ``.metadata``, written last, marks a directory complete."""
-        path = os.fspath(filepath)
-        if "://" in path and not path.startswith("file://"):
-            raise ValueError(f"state_dict_type='sharded' writes a local directory, not {path!r}; use "
-                             "state_dict_type='full' for remote checkpoint paths")
-        path = path.removeprefix("file://")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = self.broadcast(os.path.join(os.path.dirname(os.path.abspath(path)), temp_name()))
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(self.runtime, self.optimizers, tmp, extra)
-        self.barrier()
-        if self.is_global_zero:
-            replace_dir(tmp, path)
-        self.barrier()
+            self._saver.saving_io(self.checkpoint_io).save_checkpoint(checkpoint, filepath,
+                                                                      storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
@@ -486,43 +466,6 @@ class ElixirStrategy(ParallelStrategy):
             return super().load_checkpoint(checkpoint_path, **kwargs)  # a full file (ours, DDP's, one device's)
         extra = load_sharded(self.runtime, self.optimizers, path)
         return {**extra, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
-
-    def _saving_io(self) -> Any:
-        """The Trainer's checkpoint_io, with the AtomicCheckpointIO around the plugin in it that writes files.
-
-        A wrapping plugin (AsyncCheckpointIO) gets it as its inner plugin, so that the rename happens
-        in the saving thread after the write; the strategy's own ``checkpoint_io`` stays the user's object.
-        See [Note: temporary checkpoint names] in checkpoint_io.py."""
-        io = self.checkpoint_io
-        holder = io if isinstance(io, _WrappingCheckpointIO) else None
-        while holder is not None and isinstance(holder.checkpoint_io, _WrappingCheckpointIO):
-            holder = holder.checkpoint_io
-        base = io if holder is None else holder.checkpoint_io
-        if base is not self._atomic_io:
-            self._unsplice()
-            self._atomic_io.checkpoint_io, self._atomic_io.stream_local = base, type(base) is TorchCheckpointIO
-            if holder is not None:
-                holder._checkpoint_io = self._atomic_io  # the public setter only fills an empty slot
-                self._spliced_into = holder
-        return self._atomic_io if holder is None else io
-
-    def _unsplice(self) -> None:
-        """Give the wrapping plugin that holds the AtomicCheckpointIO its own plugin back."""
-        wrapper, self._spliced_into = self._spliced_into, None
-        if wrapper is not None and wrapper.checkpoint_io is self._atomic_io:
-            wrapper._checkpoint_io = self._atomic_io.checkpoint_io
-
-    def _prepare_checkpoint_dirs(self, trainer: Any) -> None:
-        """Fail before any work on a checkpoint directory that cannot be written; clear leftovers of killed saves."""
-        dirs = [str(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
-        problem = None
-        if self.is_global_zero:  # the only rank that writes
-            problem = next((p for p in map(checkpoint_dir_problem, dirs) if p), None)
-            for directory in dirs if problem is None else ():
-                self._atomic_io.remove_leftovers(directory)
-        problem = self.broadcast(problem)  # every rank raises, instead of the others waiting on rank 0
-        if problem:
-            raise ValueError(problem)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -544,7 +487,7 @@ class ElixirStrategy(ParallelStrategy):
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
-        self._unsplice()  # after checkpoint_io.teardown() waited for asynchronous saves
+        self._saver.unsplice()  # after checkpoint_io.teardown() waited for asynchronous saves
 
     @classmethod
     @override
