@@ -186,7 +186,7 @@ class _Writer(FileSystemWriter):
     """DCP's file writer, plus the meta file written by the coordinator right before ``.metadata``."""
 
     def __init__(self, path: str, meta: dict[str, Any]) -> None:
-        super().__init__(path)
+        super().__init__(path, overwrite=True)  # said, not assumed: torch plans to change the default
         self._meta = meta
         self._dir = path
 
