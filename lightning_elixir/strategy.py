@@ -85,6 +85,17 @@ def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
                     f"got {type(plan).__name__} {plan!r}")
 
 
+def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:
+    """A memory limit that only plan="auto" uses: its form checked, refused with a fixed plan (``fixed`` names it)."""
+    if limit is None:
+        return None
+    check_memory_limit(limit)
+    if fixed:
+        raise ValueError(f"{name}={limit!r} is used by plan='auto' to choose a plan and has no effect on {fixed}: "
+                         "remove it, or use plan='auto'")
+    return limit
+
+
 class ElixirStrategy(ParallelStrategy):
     """Chunk-based ZeRO sharding with a cache of gathered chunks, planned from a profile (Elixir).
 
@@ -152,12 +163,7 @@ class ElixirStrategy(ParallelStrategy):
         self.private_params = check_private_params(private_params, self.plan)
         # What the planning inputs would be ignored by: None for plan="auto".
         fixed = None if isinstance(self.plan, str) else f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
-        if device_memory_limit is not None:
-            check_memory_limit(device_memory_limit)
-            if fixed:
-                raise ValueError(f"device_memory_limit={device_memory_limit!r} is used by plan='auto' to choose a "
-                                 f"plan and has no effect on {fixed}: remove it, or use plan='auto'")
-        self.device_memory_limit = device_memory_limit
+        self.device_memory_limit = _planning_limit("device_memory_limit", device_memory_limit, fixed)
         if hardware_profile is not None:
             if fixed:
                 raise ValueError(f"hardware_profile is used by plan='auto' to choose a plan and has no effect on "
@@ -169,12 +175,7 @@ class ElixirStrategy(ParallelStrategy):
                                 f"got {type(hardware_profile).__name__}")
         self.hardware_profile = hardware_profile
         self.nvme_path = None if nvme_path is None else str(check_nvme_path(nvme_path))
-        if host_memory_limit is not None:
-            check_memory_limit(host_memory_limit)
-            if fixed:
-                raise ValueError(f"host_memory_limit={host_memory_limit!r} is used by plan='auto' to choose a plan "
-                                 f"and has no effect on {fixed}: remove it, or use plan='auto'")
-        self.host_memory_limit = host_memory_limit
+        self.host_memory_limit = _planning_limit("host_memory_limit", host_memory_limit, fixed)
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type={state_dict_type!r}: use 'full' (one file) or 'sharded' (a directory "
                              "each rank writes its shards to)")
