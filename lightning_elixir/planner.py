@@ -174,7 +174,7 @@ def host_memory_bytes(limit: MemoryLimit, local_world_size: int) -> int:
     or by default 80% of what is available now, shared by the ranks of this machine."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit is not None:
-        return parse_memory_limit(limit, total) // max(local_world_size, 1)
+        return parse_memory_limit(limit, total, "host_memory_limit") // max(local_world_size, 1)
     return int(0.8 * _available_host_bytes()) // max(local_world_size, 1)
 
 

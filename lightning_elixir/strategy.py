@@ -89,7 +89,7 @@ def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optio
     """A memory limit that only plan="auto" uses: its form checked, refused with a fixed plan (``fixed`` names it)."""
     if limit is None:
         return None
-    check_memory_limit(limit)
+    check_memory_limit(limit, name)
     if fixed:
         raise ValueError(f"{name}={limit!r} is used by plan='auto' to choose a plan and has no effect on {fixed}: "
                          "remove it, or use plan='auto'")

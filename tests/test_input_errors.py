@@ -300,3 +300,10 @@ def test_other_constructor_inputs():
         ElixirStrategy(timeout=timedelta(0))
     strategy = ElixirStrategy(process_group_backend="gloo", timeout=timedelta(minutes=5), start_method="spawn")
     assert strategy._timeout == timedelta(minutes=5)
+
+
+def test_a_bad_host_memory_limit_is_named_in_its_error():
+    with pytest.raises(ValueError, match="cannot read host_memory_limit '40 Gigs'"):
+        ElixirStrategy(host_memory_limit="40 Gigs")
+    with pytest.raises(ValueError, match="host_memory_limit must be positive"):
+        ElixirStrategy(host_memory_limit=0)
