@@ -47,6 +47,7 @@ from lightning_elixir.plan import ChunkSpec, PlanError
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.nvme import NvmeStore, Page
 from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
+from lightning_elixir.runtime.state_dict import is_per_element, per_element_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ class OffloadEngine:
         for slot, view, values in self._states(chunk):
             begin, end = chunk.shard_range(slot)
             for key, value in list(values.items()):
-                if not (isinstance(value, torch.Tensor) and key != "step" and value.shape == view.shape):
+                if not is_per_element(key, value, view.shape):
                     continue
                 if key not in fields:
                     raise RuntimeError(f"the optimizer created per-element state {key!r} that its probe did not show; "
@@ -350,8 +351,7 @@ class OffloadEngine:
         """Bytes of per-element optimizer state the user's optimizers hold for ``chunk`` in memory."""
         if chunk.index in self.on_disk:
             return 0
-        return sum(v.numel() * v.element_size() for _, view, values in self._states(chunk)
-                   for k, v in values.items() if isinstance(v, torch.Tensor) and k != "step" and v.shape == view.shape)
+        return sum(per_element_nbytes(values, view.shape) for _, view, values in self._states(chunk))
 
     def host_bytes(self) -> int:
         """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages."""

@@ -25,6 +25,7 @@ from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, r
 from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_given
 from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
 from lightning_elixir.runtime.policy import PrecisionPolicy
+from lightning_elixir.runtime.state_dict import per_element_nbytes
 from lightning_elixir.runtime.states import ChunkState
 
 log = logging.getLogger(__name__)
@@ -439,12 +440,8 @@ class ElixirRuntime:
 
     def optimizer_state_bytes(self, chunk: Chunk) -> int:
         """Per-element optimizer state bytes held for a device chunk's views."""
-        total = 0
-        for slot, view in self._chunk_views(chunk):
-            for optimizer_state in self._optimizer_states(view):
-                total += sum(v.nbytes for k, v in optimizer_state.items()
-                             if isinstance(v, torch.Tensor) and k != "step" and v.shape == view.shape)
-        return total
+        return sum(per_element_nbytes(values, view.shape) for _, view in self._chunk_views(chunk)
+                   for values in self._optimizer_states(view))
 
     def _optimizer_states(self, view: nn.Parameter) -> list[dict]:
         return [opt.state[view] for opt in self.optimizers if view in opt.state]

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from lightning_elixir.runtime.chunk import Chunk, Slot
-from lightning_elixir.runtime.state_dict import _is_per_element, _optimizer_views
+from lightning_elixir.runtime.state_dict import is_per_element, optimizer_views
 
 META_FILE = "elixir_meta.pt"
 DCP_METADATA = ".metadata"
@@ -115,7 +115,7 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
     path = os.fspath(path)
     runtime.offload.settle()
     states = [optimizer.state_dict() for optimizer in optimizers]  # live per-parameter dicts (NVMe binds into them)
-    entries = [_optimizer_views(runtime, optimizer) for optimizer in optimizers]
+    entries = [optimizer_views(runtime, optimizer) for optimizer in optimizers]
     tensors: dict[str, Any] = {}
     for chunk in runtime.chunks:
         with runtime.offload.resident(chunk):
@@ -141,7 +141,7 @@ def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list
             if owner is not chunk or i not in state["state"]:
                 continue
             for key, value in state["state"][i].items():
-                if _is_per_element(key, value, view.shape):
+                if is_per_element(key, value, view.shape):
                     value = value.detach()
                     out[f"optim.{k}.state.{i}.{key}"] = _flat(runtime, chunk, slot, value.clone() if copy else value)
     return out
@@ -163,7 +163,7 @@ def _describe(runtime, states: list[dict], entries: list[list], extra: dict) -> 
         flat, values = {}, {}
         for i, per_param in state["state"].items():
             view = views[i][2]
-            flat[i] = sorted(k for k, v in per_param.items() if _is_per_element(k, v, view.shape))
+            flat[i] = sorted(k for k, v in per_param.items() if is_per_element(k, v, view.shape))
             values[i] = {k: _cpu_copy(v) for k, v in per_param.items() if k not in flat[i]}
         optimizers.append({"params": [slot.name for _, slot, _ in views], "param_groups": state["param_groups"],
                            "flat": flat, "values": values})
@@ -290,7 +290,7 @@ def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike) -> di
     path = os.fspath(path)
     meta, stored = read_checkpoint(path)
     _check_model(runtime, meta)
-    entries = [_optimizer_views(runtime, optimizer) for optimizer in optimizers]
+    entries = [optimizer_views(runtime, optimizer) for optimizer in optimizers]
     _check_optimizers(optimizers, entries, meta)
     runtime.offload.settle()
     runtime.release_all()

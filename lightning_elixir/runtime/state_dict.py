@@ -69,7 +69,7 @@ def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
     chunk.refresh_shard()
 
 
-def _optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, torch.Tensor]]:
+def optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, torch.Tensor]]:
     """(chunk, slot, view) for each optimizer parameter, in state-dict index order."""
     by_view = runtime.view_index()
     out = []
@@ -81,8 +81,14 @@ def _optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, t
     return out
 
 
-def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether an optimizer state entry has one value per parameter element (``exp_avg``, not ``step``)."""
     return key != "step" and isinstance(value, torch.Tensor) and value.shape == shape
+
+
+def per_element_nbytes(values: Mapping[str, Any], shape: torch.Size) -> int:
+    """Bytes of one parameter's per-element optimizer state."""
+    return sum(v.nbytes for k, v in values.items() if is_per_element(k, v, shape))
 
 
 def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool] = None) -> dict[str, Any]:
@@ -90,7 +96,7 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool
     keep = runtime.group.rank == 0 if keep is None else keep
     runtime.offload.settle()
     sharded = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own (NVMe chunks bind into them)
-    entries = _optimizer_views(runtime, optimizer)
+    entries = optimizer_views(runtime, optimizer)
     state: dict[int, dict[str, Any]] = {}
     for chunk in runtime.chunks:
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
@@ -105,7 +111,7 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool
 def _gather_chunk_state(chunk: Chunk, members: list, sharded: dict, state: dict, keep: bool) -> None:
     """Full-shaped optimizer state of one chunk's parameters (every rank gathers, ``keep`` ranks keep)."""
     first_i, _, first_view = members[0]
-    keys = sorted(k for k, v in sharded[first_i].items() if _is_per_element(k, v, first_view.shape))
+    keys = sorted(k for k, v in sharded[first_i].items() if is_per_element(k, v, first_view.shape))
     for i, slot, view in members:
         state[i] = {k: _detached(v) for k, v in sharded[i].items() if k not in keys}
     for key in keys:
@@ -131,7 +137,7 @@ def _shard_buffer(chunk: Chunk, members: list, state: dict, key: str) -> torch.T
 
 def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[str, Any]) -> None:
     """Load a normal (full) optimizer state dict into the sharded optimizer."""
-    entries = _optimizer_views(runtime, optimizer)
+    entries = optimizer_views(runtime, optimizer)
     if len(full["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"optimizer state has {len(full['param_groups'])} param groups, "
                          f"the optimizer has {len(optimizer.param_groups)}")
@@ -140,7 +146,7 @@ def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[
         chunk, slot, view = entries[int(i)]
         begin, end = chunk.shard_range(slot)
         lo = chunk.shard_begin + begin - slot.offset
-        state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if _is_per_element(k, v, slot.shape) else v)
+        state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if is_per_element(k, v, slot.shape) else v)
                          for k, v in param_state.items()}
     runtime.offload.settle()
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
