@@ -25,6 +25,7 @@ def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
         if keep:
             for slot in chunk.slots:
                 values[id(slot.param)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
+        del full  # before the next chunk's gather: one gathered chunk at a time
     if not keep:
         return {}
     out = {}
@@ -119,6 +120,7 @@ def _gather_chunk_state(chunk: Chunk, members: list, sharded: dict, state: dict,
         full = chunk.gather_full(flat)
         for i, slot, _ in members:
             state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
+        del flat, full  # before the next key's gather: one gathered chunk at a time
 
 
 def _detached(value: Any) -> Any:
