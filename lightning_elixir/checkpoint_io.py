@@ -29,9 +29,9 @@ import secrets
 import shutil
 import string
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Optional, Union
+from typing import IO, Any, Optional, Union
 
 import torch
 from fsspec import AbstractFileSystem
@@ -105,9 +105,37 @@ class AtomicCheckpointIO:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike,
                         storage_options: Optional[Any] = None) -> None:
         """Save through ``checkpoint_io`` under a temporary name, then rename it to ``path``."""
+        def write(fs: AbstractFileSystem, tmp_url: str, tmp: str) -> None:
+            if _is_local(fs) and self.stream_local and storage_options is None:
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+                torch.save(checkpoint, tmp)
+            else:
+                self.checkpoint_io.save_checkpoint(checkpoint, tmp_url, storage_options=storage_options)
+
+        self._save(path, write)
+
+    def can_stream(self, path: PathLike, storage_options: Optional[Any] = None) -> bool:
+        """Whether ``save_streamed`` writes what ``checkpoint_io`` would: a ``torch.save`` file at ``path``."""
+        return self.stream_local and storage_options is None and not _is_object_store(url_to_fs(str(path))[0])
+
+    def save_streamed(self, path: PathLike, write: Callable[[IO[bytes]], None]) -> None:
+        """Save a file that ``write`` writes into an open binary file, under a temporary name, then rename it.
+
+        For TorchCheckpointIO's format written piece by piece (``can_stream``); see
+        [Note: streamed full checkpoints] in runtime/full_file.py."""
+        def write_file(fs: AbstractFileSystem, tmp_url: str, tmp: str) -> None:
+            if _is_local(fs):
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            with fs.open(tmp, "wb") as file:
+                write(file)
+
+        self._save(path, write_file)
+
+    def _save(self, path: PathLike, write: Callable[[AbstractFileSystem, str, str], None]) -> None:
+        """``write(fs, temporary URL, temporary path)``, then the rename; the temporary file goes on failure."""
         fs, target = url_to_fs(str(path))
         if _is_object_store(fs):  # uploads appear only once complete; there is no rename
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            write(fs, str(path), target)
             return
         directory = _parent(str(path), fs)
         if (fs.protocol, _parent(target, fs)) not in self._swept:
@@ -116,7 +144,9 @@ class AtomicCheckpointIO:
         tmp = _join(_parent(target, fs), name, fs)
         with self._claim(name):
             try:
-                self._write(fs, checkpoint, _join(directory, name, fs), tmp, storage_options)
+                write(fs, _join(directory, name, fs), tmp)
+                if _is_local(fs):
+                    _fsync(tmp)  # the data reaches the disk before the rename does: a power cut cannot leave an empty file
                 _rename(fs, tmp, target)
             except BaseException:
                 _remove(fs, tmp)
@@ -160,18 +190,6 @@ class AtomicCheckpointIO:
         finally:
             with self._lock:
                 self._writing.discard(name)
-
-    def _write(self, fs: AbstractFileSystem, checkpoint: dict[str, Any], tmp_url: str, tmp: str,
-               storage_options: Optional[Any]) -> None:
-        if not _is_local(fs):
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp_url, storage_options=storage_options)
-            return
-        if self.stream_local and storage_options is None:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            torch.save(checkpoint, tmp)
-        else:
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp_url, storage_options=storage_options)
-        _fsync(tmp)  # the data reaches the disk before the rename does, so a power cut cannot leave an empty file
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the strategy that holds this
         return {"checkpoint_io": self.checkpoint_io, "stream_local": self.stream_local}

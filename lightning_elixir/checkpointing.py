@@ -14,7 +14,9 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, replace_dir, temp_name
+from lightning_elixir.runtime.full_file import Records, drain, filled, write_torch_file
 from lightning_elixir.runtime.sharded import save_sharded
+from lightning_elixir.runtime.state_dict import deferred_records
 
 
 class CheckpointSaver:
@@ -43,6 +45,16 @@ class CheckpointSaver:
                 self._spliced_into = holder
         return self.atomic_io if holder is None else io
 
+    def save(self, io: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any],
+             records: Records) -> None:
+        """Rank 0's save: streamed when ``io`` writes plain ``torch.save`` files, else through ``io`` with
+        the deferred tensors filled in ([Note: streamed full checkpoints] in runtime/full_file.py)."""
+        io = self.saving_io(io)
+        if io is self.atomic_io and io.can_stream(filepath, storage_options):
+            io.save_streamed(filepath, lambda file: write_torch_file(checkpoint, records, file))
+            return
+        io.save_checkpoint(filled(checkpoint, records), filepath, storage_options=storage_options)
+
     def unsplice(self) -> None:
         """Give the wrapping plugin that holds the AtomicCheckpointIO its own plugin back."""
         wrapper, self._spliced_into = self._spliced_into, None
@@ -60,6 +72,22 @@ class CheckpointSaver:
         problem = strategy.broadcast(problem)  # every rank raises, instead of the others waiting on rank 0
         if problem:
             raise ValueError(problem)
+
+
+def save_full_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
+                         storage_options: Optional[Any]) -> None:
+    """Every rank gathers the checkpoint's deferred tensors chunk by chunk; rank 0 writes them.
+
+    Every rank runs every gather even when rank 0's write fails part way (its error is raised after),
+    so that the others are not left waiting in a collective."""
+    runtime = strategy.runtime
+    records = iter(deferred_records(runtime, strategy.optimizers, checkpoint)
+                   if runtime is not None else ())
+    try:
+        if strategy.is_global_zero:  # as under DDP: rank 0 writes the full checkpoint
+            strategy._saver.save(strategy.checkpoint_io, checkpoint, filepath, storage_options, records)
+    finally:
+        drain(records)
 
 
 def save_sharded_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_elixir.checkpointing import CheckpointSaver, save_sharded_checkpoint
+from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
@@ -115,7 +115,10 @@ class ElixirStrategy(ParallelStrategy):
         host_memory_limit: host memory plan="auto" may fill with offloaded state, per machine:
             bytes, "64GiB" or a fraction of the host's memory. Default: 80% of what is available.
         state_dict_type: "full": one checkpoint file with plain parameter names and a plain torch
-            optimizer state dict, gathered chunk by chunk on rank 0 (loads into a plain module).
+            optimizer state dict (loads into a plain module). Rank 0 writes each chunk as it is
+            gathered, so no rank holds more than one gathered chunk; in ``on_save_checkpoint`` the
+            gathered tensors are ``DeferredTensor`` placeholders (a custom checkpoint_io plugin or
+            AsyncCheckpointIO gets them filled in, all held by rank 0).
             "sharded": a directory in torch.distributed.checkpoint format, every rank writing its own
             shards in parallel; it resumes at any world size, chunk size, cache and placement, and
             ``lightning-elixir convert`` turns it into a full file. Either format loads either way.
@@ -419,7 +422,7 @@ class ElixirStrategy(ParallelStrategy):
             return super().lightning_module_state_dict()
         if self.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's shards
-        return sd.full_state_dict(self.runtime, keep=self.is_global_zero)
+        return sd.deferred_state_dict(self.runtime)  # save_checkpoint gathers while writing
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -437,7 +440,8 @@ class ElixirStrategy(ParallelStrategy):
         assert self.runtime is not None
         if self.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's shards
-        return sd.full_optimizer_state_dict(self.runtime, optimizer, keep=self.is_global_zero)
+        index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        return sd.deferred_optimizer_state_dict(self.runtime, optimizer, index)  # save_checkpoint gathers while writing
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -456,9 +460,8 @@ class ElixirStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.state_dict_type == "sharded" and self.runtime is not None:
             save_sharded_checkpoint(self, checkpoint, filepath)
-        elif self.is_global_zero:  # as under DDP: rank 0 holds the full checkpoint and writes it
-            self._saver.saving_io(self.checkpoint_io).save_checkpoint(checkpoint, filepath,
-                                                                      storage_options=storage_options)
+        else:
+            save_full_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:

@@ -7,9 +7,13 @@ Two spawned gloo ranks (one CPU thread each) build ``ElixirRuntime(model, Elixir
 cache_blocks="all"))`` and an AdamW set up by ``shard_optimizer``, and take one training step so that
 the optimizer state exists. Then, per format:
 
-- "full": every rank gathers ``full_state_dict`` and ``full_optimizer_state_dict`` (rank 0 keeps
-  them) and rank 0 ``torch.save``s both to one file; loading, every rank ``torch.load``s that file
-  and calls ``load_full_state_dict`` and ``load_full_optimizer_state_dict``.
+- "full": what ``ElixirStrategy(state_dict_type="full")`` does: every rank builds the checkpoint's
+  structure with deferred tensors (``deferred_state_dict``, ``deferred_optimizer_state_dict``) and
+  gathers chunk by chunk (``deferred_records``); rank 0 writes each gathered tensor into the file
+  as it comes (``write_torch_file``, [Note: streamed full checkpoints]). Loading, every rank
+  ``torch.load``s that file and calls ``load_full_state_dict`` and ``load_full_optimizer_state_dict``.
+- "full-dict": the same file written as before streaming: rank 0 keeps ``full_state_dict`` and
+  ``full_optimizer_state_dict`` whole and ``torch.save``s them (the peers' way; for comparison).
 - "sharded": ``save_sharded`` and ``load_sharded`` on a directory (torch.distributed.checkpoint).
 
 Between save and load the ranks take one more training step, so that a load has something to undo;
@@ -59,7 +63,9 @@ from lightning_elixir.plan import ElixirPlan  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402
 from lightning_elixir.runtime.runtime import ElixirRuntime  # noqa: E402
 from lightning_elixir.runtime.sharded import load_sharded, save_sharded  # noqa: E402
-from lightning_elixir.runtime.state_dict import (full_optimizer_state_dict, full_state_dict,  # noqa: E402
+from lightning_elixir.runtime.full_file import drain, write_torch_file  # noqa: E402
+from lightning_elixir.runtime.state_dict import (deferred_optimizer_state_dict, deferred_records,  # noqa: E402
+                                                 deferred_state_dict, full_optimizer_state_dict, full_state_dict,
                                                  load_full_optimizer_state_dict, load_full_state_dict)
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -68,7 +74,7 @@ WORLD_SIZE = 2
 FP32_BYTES = 4
 ADAMW_STATES = 2
 """Per-element AdamW state: exp_avg and exp_avg_sq (``step`` is one scalar per parameter)."""
-FORMATS = ("full", "sharded")
+FORMATS = ("full", "full-dict", "sharded")
 # Defaults of the options left unset, per --quick. The default chunk holds about one transformer block
 # of the default GPT (12 x 768^2 ~ 7.1M elements) and the tied embedding (8192 x 768 ~ 6.3M).
 SIZES = {
@@ -196,11 +202,19 @@ def snapshot(runtime: ElixirRuntime, optimizer: torch.optim.Optimizer) -> list[t
 
 
 def _save_full(runtime, optimizer, file: str) -> None:
+    """Gather chunk by chunk on every rank; rank 0 writes each gathered tensor as it comes."""
+    state = {"model": deferred_state_dict(runtime), "optimizer": deferred_optimizer_state_dict(runtime, optimizer, 0)}
+    records = deferred_records(runtime, [optimizer], state)
+    if runtime.group.rank == 0:
+        with open(file, "wb") as f:
+            write_torch_file(state, records, f)
+    drain(records)
+
+
+def _save_full_dict(runtime, optimizer, file: str) -> None:
     """Gather on every rank; rank 0 keeps both state dicts and writes one file."""
-    keep = runtime.group.rank == 0
-    state = {"model": full_state_dict(runtime, keep=keep),
-             "optimizer": full_optimizer_state_dict(runtime, optimizer, keep=keep)}
-    if keep:
+    state = {"model": full_state_dict(runtime), "optimizer": full_optimizer_state_dict(runtime, optimizer)}
+    if runtime.group.rank == 0:
         torch.save(state, file)
 
 
@@ -253,6 +267,8 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace, root: str) 
     train_step(model, runtime, optimizer, args, seed=0)
     ops = {"full": (lambda p: _save_full(runtime, optimizer, p), lambda p: _load_full(runtime, optimizer, p),
                     os.path.join(root, "full.pt")),
+           "full-dict": (lambda p: _save_full_dict(runtime, optimizer, p), lambda p: _load_full(runtime, optimizer, p),
+                         os.path.join(root, "full-dict.pt")),
            "sharded": (lambda p: save_sharded(runtime, [optimizer], p),
                        lambda p: load_sharded(runtime, [optimizer], p), os.path.join(root, "sharded"))}
     out, step = {}, 0

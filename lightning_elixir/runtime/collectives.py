@@ -204,6 +204,29 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
         return _issue(work, group, _describe("all-gather", out, chunk), out, async_op)
 
 
+def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Group, chunk: Optional[int] = None) -> None:
+    """Gather every rank's ``shard`` into ``out`` on rank 0 (rank order); ``out`` is None on the others.
+
+    Point to point, so that only rank 0 holds the gathered tensor: gloo's gather and all-gather
+    first gather into a flat buffer of their own (a second full copy on every receiving rank)."""
+    with record_function("Elixir::gather"):
+        if group.world_size == 1:
+            if shard.data_ptr() != out.data_ptr():
+                out.copy_(shard)
+            return
+        what = _describe("gather to rank 0", shard, chunk)
+        if group.rank != 0:
+            _issue(_pg(group).send([shard], 0, 0), group, what, shard, async_op=False)
+            return
+        n = shard.numel()
+        if shard.data_ptr() != out.data_ptr():  # else the caller filled it in place
+            out[:n].copy_(shard)
+        pending = [_issue(_pg(group).recv([out[r * n:(r + 1) * n]], r, 0), group, what, shard, async_op=True)
+                   for r in range(1, group.world_size)]
+        for work in pending:
+            work.wait()
+
+
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False,
                    chunk: Optional[int] = None) -> Any:
     """Sum ``full`` over ranks and leave this rank's slice in ``out``."""

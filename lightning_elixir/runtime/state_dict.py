@@ -1,36 +1,64 @@
 """Full (unsharded) state dicts: the model's with its original names, the optimizer's per parameter.
 
-Every rank takes part in the gathers; only ranks that ask (``keep=True``, by default rank 0 of
-the group) keep the gathered tensors, on the CPU.
+Every rank takes part in the gathers; rank 0 of the group keeps the gathered tensors, on the CPU
+(gathered point to point, so no other rank holds more than its shards), or every rank does with
+``everywhere=True`` (gathered with all-gathers). Checkpoints take the deferred forms
+(``deferred_state_dict``, ``deferred_optimizer_state_dict``, ``deferred_records``), which gather
+while the file is written ([Note: streamed full checkpoints] in full_file.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.full_file import DeferredTensor, Gathered, Records, deferred_in
 
 
-def full_state_dict(runtime, keep: Optional[bool] = None) -> dict[str, Any]:
-    """The module's ``state_dict()`` with every parameter gathered from its master shard."""
-    keep = runtime.group.rank == 0 if keep is None else keep
-    values: dict[int, torch.Tensor] = {}
-    for chunk in runtime.chunks:
-        with runtime.offload.resident(chunk):
-            full = chunk.gather_full(chunk.master)
-        if keep:
-            for slot in chunk.slots:
-                values[id(slot.param)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
-        del full  # before the next chunk's gather: one gathered chunk at a time
+def full_state_dict(runtime, everywhere: bool = False) -> dict[str, Any]:
+    """The module's ``state_dict()`` with every parameter gathered from its master shard, on rank 0
+    (an empty dict elsewhere) or, ``everywhere``, on every rank."""
+    keep = everywhere or runtime.group.rank == 0
+    values = {pid: value.cpu().clone() for pid, value in _param_records(runtime, everywhere) if keep}
     if not keep:
         return {}
+    return {key: values.get(id(value), value) for key, value in _module_state(runtime).items()}
+
+
+def _module_state(runtime) -> dict[str, Any]:
+    """The module's state dict: chunked parameters as themselves, everything else as CPU copies."""
+    chunked = runtime.param_ids()
+    return {key: value if id(value) in chunked else value.detach().cpu().clone()
+            for key, value in runtime.module.state_dict(keep_vars=True).items()}
+
+
+def _param_records(runtime, everywhere: bool) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+    """(id(parameter), its full value) for every chunked parameter, gathered one chunk at a time on
+    every rank; values (views of the gathered chunk, valid until the next chunk) on rank 0 or ``everywhere``."""
+    for chunk in runtime.chunks:
+        with runtime.offload.resident(chunk):
+            full = _gather(chunk, chunk.master, everywhere)
+        for slot in chunk.slots:
+            yield id(slot.param), None if full is None else full[slot.offset:slot.end].view(slot.shape)
+        del full  # before the next chunk's gather: one gathered chunk at a time
+
+
+def deferred_state_dict(runtime) -> dict[str, Any]:
+    """The full state dict with each chunked parameter as a DeferredTensor ([Note: streamed full checkpoints])."""
+    chunked, made = runtime.param_ids(), {}  # tied parameters share one DeferredTensor, as they share a tensor
     out = {}
-    for key, value in runtime.module.state_dict(keep_vars=True).items():
-        out[key] = values[id(value)] if id(value) in values else value.detach().cpu().clone()
+    for key, value in _module_state(runtime).items():
+        if id(value) in chunked:
+            if id(value) not in made:
+                chunk, slot = runtime.where(value)
+                made[id(value)] = DeferredTensor(("param", id(value)), slot.shape, chunk.master.dtype)
+            value = made[id(value)]
+        out[key] = value
     return out
 
 
@@ -92,35 +120,118 @@ def per_element_nbytes(values: Mapping[str, Any], shape: torch.Size) -> int:
     return sum(v.nbytes for k, v in values.items() if is_per_element(k, v, shape))
 
 
-def full_optimizer_state_dict(runtime, optimizer: Optimizer, keep: Optional[bool] = None) -> dict[str, Any]:
-    """A normal torch optimizer state dict: one entry per original parameter, full-shaped tensors."""
-    keep = runtime.group.rank == 0 if keep is None else keep
+@dataclass
+class _ChunkOptimizerState:
+    """One chunk's share of an optimizer's state: its parameters' entries and per-element keys."""
+
+    chunk: Chunk
+    members: list[tuple[int, Slot, torch.Tensor]]
+    """(state-dict index, slot, shard view) of the chunk's parameters that have state."""
+    keys: list[str]
+    """Per-element state keys (``exp_avg``, ...), gathered; the rest (``step``) is copied."""
+
+
+def _optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], list[_ChunkOptimizerState]]:
+    """The optimizer's sharded state dict and, per chunk, what of it is gathered."""
     runtime.offload.settle()
     sharded = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own (NVMe chunks bind into them)
     entries = optimizer_views(runtime, optimizer)
-    state: dict[int, dict[str, Any]] = {}
+    layout = []
     for chunk in runtime.chunks:
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
         if members:
-            with runtime.offload.resident(chunk):
-                _gather_chunk_state(chunk, members, sharded["state"], state, keep)
-    if not keep:
-        return {}
+            first_i, _, first_view = members[0]
+            keys = sorted(k for k, v in sharded["state"][first_i].items() if is_per_element(k, v, first_view.shape))
+            layout.append(_ChunkOptimizerState(chunk, members, keys))
+    return sharded, layout
+
+
+def _optimizer_skeleton(sharded: dict[str, Any], layout: list[_ChunkOptimizerState],
+                        value: Callable[[int, str, Slot, torch.Tensor], Any]) -> dict[str, Any]:
+    """The full optimizer state dict with ``value(index, key, slot, shard state)`` for each per-element entry."""
+    state: dict[int, dict[str, Any]] = {}
+    for part in layout:
+        for i, slot, _ in part.members:
+            own = sharded["state"][i]
+            state[i] = {k: (value(i, k, slot, v) if k in part.keys else _detached(v)) for k, v in own.items()}
     return {"state": state, "param_groups": sharded["param_groups"]}
 
 
-def _gather_chunk_state(chunk: Chunk, members: list, sharded: dict, state: dict, keep: bool) -> None:
-    """Full-shaped optimizer state of one chunk's parameters (every rank gathers, ``keep`` ranks keep)."""
-    first_i, _, first_view = members[0]
-    keys = sorted(k for k, v in sharded[first_i].items() if is_per_element(k, v, first_view.shape))
-    for i, slot, view in members:
-        state[i] = {k: _detached(v) for k, v in sharded[i].items() if k not in keys}
-    for key in keys:
-        flat = _shard_buffer(chunk, members, sharded, key)
-        full = chunk.gather_full(flat)
-        for i, slot, _ in members:
-            state[i][key] = full[slot.offset:slot.end].view(slot.shape).cpu().clone() if keep else None
-        del flat, full  # before the next key's gather: one gathered chunk at a time
+def _optimizer_records(runtime, sharded: dict[str, Any], layout: list[_ChunkOptimizerState],
+                       everywhere: bool) -> Iterator[tuple[int, str, Optional[torch.Tensor]]]:
+    """(index, key, full value) of every per-element entry, gathered one chunk and key at a time on
+    every rank; values (views of the gathered chunk, valid until the next item) on rank 0 or ``everywhere``."""
+    for part in layout:
+        with runtime.offload.resident(part.chunk):
+            for key in part.keys:
+                flat = _shard_buffer(part.chunk, part.members, sharded["state"], key)
+                full = _gather(part.chunk, flat, everywhere)
+                del flat
+                for i, slot, _ in part.members:
+                    yield i, key, None if full is None else full[slot.offset:slot.end].view(slot.shape)
+                del full  # before the next key's gather: one gathered chunk at a time
+
+
+def _gather(chunk: Chunk, shard: torch.Tensor, everywhere: bool) -> Optional[torch.Tensor]:
+    return chunk.gather_full(shard) if everywhere else chunk.gather_to_first(shard)
+
+
+def full_optimizer_state_dict(runtime, optimizer: Optimizer, everywhere: bool = False) -> dict[str, Any]:
+    """A normal torch optimizer state dict: one entry per original parameter, full-shaped tensors; on
+    rank 0 (an empty dict elsewhere) or, ``everywhere``, on every rank."""
+    keep = everywhere or runtime.group.rank == 0
+    sharded, layout = _optimizer_layout(runtime, optimizer)
+    out = _optimizer_skeleton(sharded, layout, lambda *_: None)
+    for i, key, value in _optimizer_records(runtime, sharded, layout, everywhere):
+        out["state"][i][key] = value.cpu().clone() if keep else None
+    return out if keep else {}
+
+
+def deferred_optimizer_state_dict(runtime, optimizer: Optimizer, index: int) -> dict[str, Any]:
+    """The full optimizer state dict of the strategy's ``index``-th optimizer, per-element state as
+    DeferredTensors ([Note: streamed full checkpoints])."""
+    sharded, layout = _optimizer_layout(runtime, optimizer)
+    return _optimizer_skeleton(sharded, layout,
+                               lambda i, key, slot, v: DeferredTensor(("optimizer", index, i, key), slot.shape, v.dtype))
+
+
+def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> Records:
+    """Gather what the DeferredTensors in ``checkpoint`` stand for, chunk by chunk, to rank 0.
+
+    Each rank's ``checkpoint`` must have the same structure (the strategy made it on every rank); a
+    rank gathers the model if it holds deferred parameters, an optimizer's state if it holds that
+    optimizer's. Values on rank 0; the other ranks get None for them."""
+    wanted = {d.source: d for d in deferred_in(checkpoint)}
+    if any(source[0] == "param" for source in wanted):
+        for chunk in runtime.chunks:
+            with runtime.offload.resident(chunk):
+                full = chunk.gather_to_first(chunk.master)
+            yield _gathered(full, [(wanted.get(("param", id(slot.param))), slot) for slot in chunk.slots])
+            del full  # before the next gather: one gathered chunk at a time
+    for index, optimizer in enumerate(optimizers):
+        if not any(source[:2] == ("optimizer", index) for source in wanted):
+            continue
+        sharded, layout = _optimizer_layout(runtime, optimizer)
+        for part in layout:
+            with runtime.offload.resident(part.chunk):
+                for key in part.keys:
+                    sample = sharded["state"][part.members[0][0]][key]
+                    shard, out = part.chunk.first_shard_buffer(sample.dtype)
+                    _fill_shard(shard, part.chunk, part.members, sharded["state"], key)
+                    full = part.chunk.gather_to_first(shard, out)
+                    del shard, out
+                    yield _gathered(full, [(wanted.get(("optimizer", index, i, key)), slot)
+                                           for i, slot, _ in part.members])
+                    del full
+
+
+def _gathered(full: Optional[torch.Tensor], slots: list[tuple[Optional[DeferredTensor], Slot]]) -> Gathered:
+    """The region of ``full`` that the wanted slots cover, and their views."""
+    slots = [(d, slot) for d, slot in slots if d is not None]
+    if full is None or not slots:
+        return Gathered(None, [(d, None) for d, _ in slots])
+    lo, hi = min(slot.offset for _, slot in slots), max(slot.end for _, slot in slots)
+    return Gathered(full[lo:hi], [(d, full[slot.offset:slot.end].view(slot.shape)) for d, slot in slots])
 
 
 def _detached(value: Any) -> Any:
@@ -131,10 +242,15 @@ def _detached(value: Any) -> Any:
 def _shard_buffer(chunk: Chunk, members: list, state: dict, key: str) -> torch.Tensor:
     sample = state[members[0][0]][key]
     flat = torch.zeros(chunk.shard_numel, dtype=sample.dtype, device=chunk.master.device)
+    _fill_shard(flat, chunk, members, state, key)
+    return flat
+
+
+def _fill_shard(flat: torch.Tensor, chunk: Chunk, members: list, state: dict, key: str) -> None:
+    """This rank's shard of a per-element optimizer state ``key``, from the members' entries, into ``flat``."""
     for i, slot, _ in members:
         begin, end = chunk.shard_range(slot)
         flat[begin:end].copy_(state[i][key])
-    return flat
 
 
 def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[str, Any]) -> None:

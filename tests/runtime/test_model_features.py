@@ -66,7 +66,7 @@ def _branchy(rank: int, world_size: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
-    return {"losses": losses, "state": full_state_dict(runtime, keep=True), "ref": ref.state_dict()}
+    return {"losses": losses, "state": full_state_dict(runtime, everywhere=True), "ref": ref.state_dict()}
 
 
 def _gpt_variant(rank: int, world_size: int, config: GPTConfig, freeze: tuple[str, ...]) -> dict:
@@ -93,7 +93,7 @@ def _gpt_variant(rank: int, world_size: int, config: GPTConfig, freeze: tuple[st
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
-    return {"losses": losses, "state": full_state_dict(runtime, keep=True), "ref": ref.state_dict(),
+    return {"losses": losses, "state": full_state_dict(runtime, everywhere=True), "ref": ref.state_dict(),
             "peak": runtime.memory_stats()["peak_gathered_public_chunks"], "capacity": runtime.cache.capacity}
 
 
@@ -105,7 +105,7 @@ def _meta_init(rank: int, world_size: int) -> dict:
     runtime = ElixirRuntime(model, ZERO3)
     x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = model(x)
-    return {"state": full_state_dict(runtime, keep=True), "logits": logits.detach(),
+    return {"state": full_state_dict(runtime, everywhere=True), "logits": logits.detach(),
             "tied": model.lm_head.weight is model.wte.weight}
 
 

@@ -96,8 +96,8 @@ def train(rank: int, model: torch.nn.Module, plan: ElixirPlan, case: Case, nvme_
         if scheduler is not None:
             scheduler.step()
     out = {"losses": losses, "stepped": stepped, "stats": runtime.memory_stats(),
-           "model": full_state_dict(runtime, keep=True),
-           "optimizer": full_optimizer_state_dict(runtime, optimizer, keep=True), "step": step + 1}
+           "model": full_state_dict(runtime, everywhere=True),
+           "optimizer": full_optimizer_state_dict(runtime, optimizer, everywhere=True), "step": step + 1}
     runtime.restore_module()
     return out
 

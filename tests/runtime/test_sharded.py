@@ -81,8 +81,8 @@ def train(rank: int, world_size: int, model, runtime, optimizer, steps: range) -
 
 
 def snapshot(runtime, optimizer) -> dict[str, Any]:
-    return {"model": full_state_dict(runtime, keep=True),
-            "optimizer": full_optimizer_state_dict(runtime, optimizer, keep=True)}
+    return {"model": full_state_dict(runtime, everywhere=True),
+            "optimizer": full_optimizer_state_dict(runtime, optimizer, everywhere=True)}
 
 
 def save_runs(rank: int, world_size: int, root: str, plan_names: tuple[str, ...], nvme: Optional[str]) -> dict:
@@ -194,7 +194,7 @@ def test_two_ranks_to_one(root, saved2):
 def test_model_only_load(root, saved2):
     model, runtime, optimizer = build(1, "zero2", seed=1, marker=0.0, nvme=None)
     extra = load_sharded(runtime, [], root / "ws2" / "zero3")
-    loaded = full_state_dict(runtime, keep=True)
+    loaded = full_state_dict(runtime, everywhere=True)
     runtime.restore_module()
     assert extra == EXTRA and not optimizer.state
     assert all(torch.equal(loaded[k], v) for k, v in saved2["zero3"][0]["model"].items())
@@ -242,10 +242,10 @@ def _damage(root, tmp_path, kind: str):
 def test_damaged_checkpoint_is_refused_before_loading(root, saved2, tmp_path, kind, message):
     path = _damage(root, tmp_path, kind)
     model, runtime, optimizer = build(1, "zero3", seed=1, marker=0.0, nvme=None)
-    before = full_state_dict(runtime, keep=True)
+    before = full_state_dict(runtime, everywhere=True)
     with pytest.raises(ShardedCheckpointError, match=message):
         load_sharded(runtime, [optimizer], path)
-    after = full_state_dict(runtime, keep=True)
+    after = full_state_dict(runtime, everywhere=True)
     runtime.restore_module()
     assert all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ShardedCheckpointError, match=message):

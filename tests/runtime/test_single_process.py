@@ -261,11 +261,11 @@ def test_unknown_private_param_names_are_rejected():
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_loads():
     model = _gpt()
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096, cache_blocks=2))
-    before = full_state_dict(runtime, keep=True)
+    before = full_state_dict(runtime, everywhere=True)
     bad = {k: v.clone() + 1 for k, v in before.items()}
     name = next(k for k in bad if k.endswith("c_fc.weight"))
     bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
     with pytest.raises(ValueError, match="shapes do not match.*c_fc.weight"):
         load_full_state_dict(runtime, bad)
-    after = full_state_dict(runtime, keep=True)
+    after = full_state_dict(runtime, everywhere=True)
     assert all(torch.equal(after[k], v) for k, v in before.items())

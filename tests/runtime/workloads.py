@@ -98,7 +98,7 @@ def train_elixir(rank: int, world_size: int, run: Run, model: torch.nn.Module) -
             handle.remove()
         stepped.append(elixir_step(runtime, optimizer, run.clip_norm, run.clip_value))
         optimizer.zero_grad()
-    state = full_state_dict(runtime, keep=True)
+    state = full_state_dict(runtime, everywhere=True)
     return {"losses": losses, "state": state, "stats": runtime.memory_stats(), "stepped": stepped,
             "capacity": runtime.cache.capacity, "num_public": len(runtime.public)}
 
