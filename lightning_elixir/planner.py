@@ -288,13 +288,13 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
         if reason is not None:
             _warn_fallback(what, reason)
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason)
-        profile = _with_private(profile, private_params)
+        profile = with_private_params(profile, private_params)
         options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
         plan, report = search(profile, hw, budget, options)
         return PlanningResult(_agree(plan, group), report, profile, hw, budget)
 
 
-def _with_private(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:
+def with_private_params(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:
     """The profile with the user's private parameters listed as shared: the search gives them private chunks."""
     extra = tuple(n for n in private_params if n not in profile.shared_params)
     return dataclasses.replace(profile, shared_params=profile.shared_params + extra) if extra else profile
@@ -321,7 +321,19 @@ def _warn_fallback(what: str, reason: str) -> None:
 
 def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
              offload: OffloadSettings, local_world_size: int) -> SearchOptions:
-    """Search options that describe what the runtime will do with this precision and offload settings."""
+    """Search options for this precision and offload settings, with this machine's host memory."""
+    return search_options(world_size, micro_batches, compute_dtype, autocast_dtype, allow_cpu=offload.allow_cpu,
+                          nvme_available=offload.nvme_path is not None,
+                          host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
+
+
+def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
+                   autocast_dtype: Optional[torch.dtype], *, allow_cpu: bool = True, nvme_available: bool = False,
+                   host_memory_bytes: Optional[int] = None) -> SearchOptions:
+    """Search options that describe what the runtime will do with this precision and offload settings.
+
+    Pure: the host memory is an argument, so a plan can be searched for another machine.
+    """
     true_low_precision = autocast_dtype is None and compute_dtype != torch.float32
     return SearchOptions(
         world_size=world_size, micro_batches=micro_batches,
@@ -329,8 +341,7 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
         grad_bytes_per_numel=2 if true_low_precision else 4,
         optimizer_bytes_per_numel=4 if true_low_precision else 8,
         reduce_in_fp32=not true_low_precision,
-        allow_cpu=offload.allow_cpu, nvme_available=offload.nvme_path is not None,
-        host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
+        allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes)
 
 
 def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:
