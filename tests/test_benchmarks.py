@@ -1,0 +1,111 @@
+"""The benchmark harness: its reduced run end to end, and how it turns rank results into rows and tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+
+from examples.benchmarks import harness
+from examples.benchmarks.harness import REDUCED_SYSTEMS, WORKLOADS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAILURES = ("OOM", "failed", "not installable")
+
+
+def _rank(step_s: float, **extra) -> dict:
+    """One rank's results as a worker writes them."""
+    return {"times_s": [step_s] * 3, "losses": [5.0, 4.0], "n_params": 1000, "note": "", "device_name": "cpu",
+            "peak_host_bytes": 2**30, "peak_device_bytes": None, **extra}
+
+
+def _args() -> Namespace:
+    return harness.parse_args(["--reduced"])
+
+
+def test_summarise_takes_the_slowest_rank_and_counts_every_rank_s_tokens():
+    args = _args()
+    row = harness.summarise(args, [_rank(0.1), _rank(0.3)])
+    assert row["status"] == "ok"
+    assert row["step_s"] == pytest.approx(0.3)
+    tokens = args.batch_size * args.block_size * args.devices
+    assert row["tokens_per_s"] == pytest.approx(tokens / 0.3)
+
+
+def test_summarise_names_a_run_by_its_most_telling_failure():
+    args = _args()
+    oom = {"error": {"status": "OOM", "reason": "OutOfMemoryError: CUDA out of memory"}}
+    hung = {"error": {"status": "failed", "reason": "DistBackendError: connection reset"}}
+    assert harness.summarise(args, [hung, oom])["status"] == "OOM"
+    assert harness.summarise(args, [_rank(0.1), hung]) == hung["error"]
+
+
+def test_classify_sorts_errors_into_the_table_s_words():
+    assert harness.classify(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))["status"] == "OOM"
+    assert harness.classify(harness.NotInstallable("No module named 'deepspeed'"))["status"] == "not installable"
+    failed = harness.classify(ValueError("bad\nsecond line"))
+    assert failed == {"status": "failed", "reason": "ValueError: bad"}
+
+
+def test_gpu_rows_carry_tflops_and_mfu_from_the_flop_count():
+    args = harness.parse_args(["--accelerator=gpu", "--devices=1", "--size=small", "--peak-tflops=100"])
+    row = harness.summarise(args, [_rank(0.5, device_name="NVIDIA H200", peak_device_bytes=3 * 2**30)])
+    tokens = args.batch_size * args.block_size
+    flops = harness.flops_per_token(1000, 12, 768, args.block_size) * tokens
+    assert row["tflops"] == pytest.approx(flops / 0.5 / 1e12)
+    assert row["mfu"] == pytest.approx(flops / 0.5 / 100e12)
+    rows = [{"workload": "gpt", "budget": None, "system": s, **row} for s in ("ddp", "elixir")]
+    table = harness.markdown_table(args, rows)
+    assert "| MFU |" in table.splitlines()[0] and f"{row['mfu']:.1%}" in table
+
+
+def test_table_keeps_failed_rows_and_ratios_against_ddp_and_the_best_peer():
+    args = _args()
+    ok = harness.summarise(args, [_rank(0.2)])
+    rows = [{"workload": "gpt", "budget": None, "system": "ddp", **ok},
+            {"workload": "gpt", "budget": None, "system": "fsdp2", **harness.summarise(args, [_rank(0.1)])},
+            {"workload": "gpt", "budget": None, "system": "elixir_zero2", **harness.summarise(args, [_rank(0.4)])},
+            {"workload": "gpt", "budget": None, "system": "deepspeed_zero2", "status": "not installable",
+             "reason": "import deepspeed: No module named 'deepspeed'"}]
+    table = harness.markdown_table(args, rows)
+    elixir = next(line for line in table.splitlines() if line.startswith("| elixir_zero2 |")).split(" | ")
+    assert elixir[3:5] == ["0.50", "0.25"]  # half DDP's tokens/s, a quarter of fsdp2's (the best peer)
+    assert "| deepspeed_zero2 | not installable: import deepspeed" in table
+    assert "best peer: fsdp2" in table
+
+
+def test_profile_tables_list_labels_and_operators():
+    import torch
+    from torch.profiler import profile, record_function
+
+    with profile() as prof:
+        with record_function("bench::matmul"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    text = harness.profile_tables(prof, on_gpu=False)
+    labels, ops = text.split("operators:")
+    assert "bench::matmul" in labels and "aten::mm" in ops and "aten::mm" not in labels
+
+
+def test_reduced_run_reports_every_system_and_workload(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, os.path.join("examples", "benchmarks", "harness.py"), "--reduced",
+                           "--json", str(out), "--run-timeout", "300"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for workload in WORKLOADS:
+        assert f"## {workload}:" in proc.stdout
+        for system in REDUCED_SYSTEMS:
+            row = next(r for r in results if (r["workload"], r["system"]) == (workload, system))
+            if row["status"] == "ok":
+                assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0
+                assert math.isfinite(row["loss_last"])
+            else:
+                assert row["status"] in FAILURES and row["reason"], row
+        table = proc.stdout.split(f"## {workload}:")[1]
+        assert all(f"| {system} |" in table for system in REDUCED_SYSTEMS)
