@@ -11,9 +11,12 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ElixirPlan
+from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.layout import resolve_specs
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.search import SearchOptions, build_layout
+from lightning_elixir.search.timeline import predict_timeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CONFIG = GPTConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=8, n_embd=512)
@@ -82,3 +85,31 @@ def test_cuda_offloaded_chunks_train_as_device_chunks(tmp_path, precision):
     assert losses["mixed"] == pytest.approx(losses["device"], rel=1e-3)
     assert stats["mixed"]["host_bytes"] > 0 and stats["mixed"]["nvme_bytes"] > 0
     assert stats["mixed"]["device_state_bytes"] < stats["device"]["device_state_bytes"]
+
+
+def test_cuda_timeline_matches_the_prediction_and_sees_activations():
+    """The recorded step holds the predicted bytes on a GPU too (side-stream prefetch, landed gradients),
+    and the allocator shows activations beyond them."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    x = torch.randint(1024, (4, 128), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def loss_fn(module, batch):
+        return F.cross_entropy(module(batch).float().flatten(0, 1), torch.roll(batch, -1, 1).flatten())
+
+    profile = profile_model(copy.deepcopy(model), x, step_fn=loss_fn)
+    layout = build_layout(profile, 1 << 20, world_size=1)
+    chunks = tuple(dataclasses.replace(s, placement="cpu") if i == 1 else s for i, s in enumerate(layout.chunks))
+    plan = ElixirPlan(chunks=chunks, world_size=1, cache_blocks="min", prefetch_depth=1)
+    runtime = ElixirRuntime(model, plan, device="cuda")
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    recorder = None
+    for step in range(3):
+        recorder = runtime.record_timeline() if step == 2 else None
+        loss_fn(model, x).backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+    predicted = predict_timeline(profile, plan, SearchOptions(optimizer_bytes_per_numel=8))
+    measured = recorder.timeline
+    assert measured.labels == predicted.labels and measured.differences(predicted) == ()
+    assert measured["activations"] is not None and max(measured["activations"]) > 0

@@ -1,4 +1,5 @@
-"""Imports flow one way: plan <- profile <- search; plan <- runtime; only the glue imports everything."""
+"""Imports flow one way: plan <- profile <- search; plan, schedule, timeline <- runtime; only the glue imports
+everything."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ def test_plan_imports_nothing_of_the_package_and_no_distributed():
     assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}
 
 
-def test_runtime_imports_only_plan_schedule_and_itself():
+def test_runtime_imports_only_plan_schedule_timeline_and_itself():
+    shared = ("lightning_elixir.plan", "lightning_elixir.schedule", "lightning_elixir.timeline")
     for name, mods in _package_imports((PACKAGE / "runtime").glob("*.py")).items():
-        assert all(m in ("lightning_elixir.plan", "lightning_elixir.schedule") or m.startswith("lightning_elixir.runtime")
-                   for m in mods), name
+        assert all(m in shared or m.startswith("lightning_elixir.runtime") for m in mods), name
 
 
-def test_schedule_is_pure():
-    imports = _imports(PACKAGE / "schedule.py")
-    assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}
+def test_schedule_and_timeline_are_pure():
+    for name in ("schedule.py", "timeline.py"):
+        imports = _imports(PACKAGE / name)
+        assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}, name
 
 
 def test_profile_and_search_do_not_import_runtime_or_lightning():
@@ -49,7 +51,7 @@ def test_profile_and_search_do_not_import_runtime_or_lightning():
 
 def test_only_the_glue_imports_lightning():
     glue = {"__init__.py", "strategy.py", "precision.py", "launcher.py", "mirror.py", "cli.py", "plan_cli.py",
-            "checkpointing.py"}
+            "checkpointing.py", "monitor.py"}
     for path in PACKAGE.rglob("*.py"):
         if path.name in glue and path.parent == PACKAGE:
             continue

@@ -24,6 +24,7 @@ import torch.nn as nn
 from lightning_elixir.plan import ChunkSpec
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.states import ChunkState, check_transition
 
 
@@ -55,6 +56,8 @@ class Chunk:
         chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own."""
         self.index = index
         self.spec = spec
+        self.clock = PhaseClock()
+        """Where this chunk's waits are timed; the runtime gives every chunk its own clock."""
         self.slots = slots
         self.group = group
         self.numel = spec.numel
@@ -108,7 +111,8 @@ class Chunk:
         """
         if self.pending_update is not None:
             future, self.pending_update = self.pending_update, None
-            future.result()
+            with self.clock.timing("offload_wait"):
+                future.result()
 
     def start_gather(self, async_op: bool) -> None:
         """FREE -> GATHERING: allocate the block and all-gather the shards into it."""
@@ -121,7 +125,8 @@ class Chunk:
     def finish_gather(self) -> None:
         """GATHERING -> HOLD: wait for the all-gather and point parameters at their views."""
         if self._gather_work is not None:
-            self._gather_work.wait()
+            with self.clock.timing("gather_wait"):
+                self._gather_work.wait()
             self._gather_work = None
         self._move(ChunkState.HOLD)
         self.bind_views()
@@ -278,7 +283,8 @@ class Chunk:
         """Wait for the reduce-scatter and write (or add) the result into the gradient shard."""
         assert self._reduce is not None, f"chunk {self.index}: finish_reduce without start_reduce"
         work, out = self._reduce
-        work.wait()
+        with self.clock.timing("reduce_wait"):
+            work.wait()
         self.settle()  # an offloaded update may still read the previous step's gradient
         if not (isinstance(work, _Landed) and work.into_shard):  # else: already copied into the shard
             out = out.to(self.grad_shard.device)

@@ -23,10 +23,12 @@ from lightning_elixir.runtime.hooks import BackwardCall, ModuleState, WaitKey, i
 from lightning_elixir.runtime import layout
 from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, resolve_specs
 from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_given
+from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
 from lightning_elixir.runtime.policy import PrecisionPolicy
 from lightning_elixir.runtime.state_dict import per_element_nbytes
 from lightning_elixir.runtime.states import ChunkState
+from lightning_elixir.runtime.timeline import TimelineRecorder
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,10 @@ class ElixirRuntime:
         check_nvme_path_given(specs, nvme_path)  # before any work
         materialize_buffers(module, self.device)
         self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision)
+        self.clock = PhaseClock()
+        """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
+        for chunk in self.chunks:
+            chunk.clock = self.clock
         self.offload = OffloadEngine(self.chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
         self._buffers = [b for b in module.buffers()]
         layout.broadcast_buffers(self._buffers, self.group)
@@ -101,6 +107,9 @@ class ElixirRuntime:
         self.micro_batches = 0
         self.steps = 0
         self.skipped_steps = 0
+        self._iterations_in_step = 0
+        self.timeline_recorder: Optional[TimelineRecorder] = None
+        """Records the memory timeline of one step when set (``record_timeline``)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -166,10 +175,14 @@ class ElixirRuntime:
             return
         if not torch.is_grad_enabled() and not self._callback_queued:
             self.end_iteration()  # a no-grad iteration holds nothing past its own end
-        self.cache.begin_iteration(torch.is_grad_enabled())
+        training = torch.is_grad_enabled()
+        self.cache.begin_iteration(training)
         for chunk in self.private:
             if chunk.state is ChunkState.FREE:
                 self.gather_private(chunk)
+        if self.timeline_recorder is not None:
+            self.timeline_recorder.begin_iteration(training, starts_step=self._iterations_in_step == 0)
+        self._iterations_in_step += training
         self._sync_buffers()
 
     def end_iteration(self) -> None:
@@ -197,8 +210,11 @@ class ElixirRuntime:
     def before_module(self, state: ModuleState) -> None:
         if state.public_ids:
             self.cache.acquire(state.public_ids)
-            if in_backward():
+            recompute = in_backward()
+            if recompute:
                 self._recompute_pins.append(state.public_ids)
+            if self.timeline_recorder is not None:
+                self.timeline_recorder.acquired("recompute" if recompute else "forward", state.name)
         state.active += 1
 
     def after_module(self, state: ModuleState) -> None:
@@ -227,6 +243,8 @@ class ElixirRuntime:
         self._drop_recompute_pins()
         self._queue_finish()
         self.cache.acquire(call.state.public_ids)
+        if self.timeline_recorder is not None:
+            self.timeline_recorder.acquired("backward", call.state.name)
         call.pinned = True
         if not call.pending:  # nothing to wait for: hold until the end of backward
             call.pending.add(hooks.Wait.INPUTS)
@@ -369,17 +387,21 @@ class ElixirRuntime:
 
         See [Note: offloaded updates] in offload.py.
         """
-        self.before_step()
-        hidden = self.offload.launch(optimizer)
-        try:
-            yield
-        finally:
-            self.offload.restore(hidden)
-        self.after_step(stepped=True)
+        with self.clock.timing("optimizer"):
+            self.before_step()
+            hidden = self.offload.launch(optimizer)
+            try:
+                yield
+            finally:
+                self.offload.restore(hidden)
+            self.after_step(stepped=True)
 
     def after_step(self, stepped: bool = True) -> None:
         """The optimizer has updated the masters: refresh the shards and mark gathered chunks stale."""
         self.access.drop_grads()
+        self._iterations_in_step = 0
+        if self.timeline_recorder is not None:
+            self._end_recorded_step()
         if not stepped:
             self.skipped_steps += 1
             return
@@ -407,6 +429,27 @@ class ElixirRuntime:
         return self.access.gathered(params, grads)
 
     # ---- accounting -----------------------------------------------------------------------------
+
+    def record_timeline(self, budget_bytes: Optional[int] = None) -> TimelineRecorder:
+        """Record the device bytes at every cache acquisition of the next optimizer step.
+
+        Call it between optimizer steps, after the first (see ``TimelineRecorder``); a step already
+        under way is not recorded, the next one is. Replaces a recorder that has not finished.
+
+        Args:
+            budget_bytes: the device budget the plan was searched for, carried into the timeline.
+
+        Returns:
+            The recorder; its ``timeline`` is complete once ``done`` (after ``optimizer.step()``).
+        """
+        self.timeline_recorder = TimelineRecorder(self, budget_bytes)
+        return self.timeline_recorder
+
+    def _end_recorded_step(self) -> None:
+        """An optimizer step ends the recorded step, if it has begun; the recorder then detaches."""
+        self.timeline_recorder.end_step()
+        if self.timeline_recorder.done:
+            self.timeline_recorder = None
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime holds (device, host, NVMe) and how many chunks are gathered.

@@ -14,6 +14,7 @@ from lightning_elixir.search.options import SearchOptions
 from lightning_elixir.search.report import Candidate, LayoutSummary, SearchReport
 from lightning_elixir.search.search import search
 from lightning_elixir.search.simulate import SimResult, simulate_gathers
+from lightning_elixir.search.timeline import predict_timeline
 
 __all__ = [
     "Candidate",
@@ -32,6 +33,7 @@ __all__ = [
     "layout_from_plan",
     "memory_breakdown",
     "parse_memory_limit",
+    "predict_timeline",
     "search",
     "simulate_gathers",
     "step_time_s",

@@ -9,7 +9,7 @@ from lightning_elixir.plan import ElixirPlan, PlanError
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.search.cost import (CostBreakdown, access_compute_s, chunk_times, hides_host_work, placement_cost,
                                           reduce_schedule, step_cost, timeline)
-from lightning_elixir.search.layout import access_chunks, layout_from_plan
+from lightning_elixir.search.layout import Layout, access_chunks, layout_from_plan
 from lightning_elixir.search.memory import MemoryBreakdown, memory_breakdown
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
 from lightning_elixir.search.simulate import SimResult, resolve_cache_blocks, simulate
@@ -37,7 +37,8 @@ def evaluate_plan(
 
     Args:
         plan: the plan; without explicit chunks it is packed in first-use order from ``chunk_numel``
-            at ``options.world_size``. Its ``reduce_in_fp32`` overrides the options'.
+            at ``options.world_size``. Gradients reduce in fp32 where both its ``reduce_in_fp32`` and the
+            options' say so.
         model: the profile.
         hardware: the measured hardware.
         options: world size, micro-batches, state sizes and margins.
@@ -45,10 +46,7 @@ def evaluate_plan(
     Returns:
         The predicted cost, memory and gathers.
     """
-    if plan.world_size is not None and plan.world_size != options.world_size:
-        raise PlanError(f"the plan was built for world size {plan.world_size}, not {options.world_size}")
-    options = dataclasses.replace(options, reduce_in_fp32=plan.reduce_in_fp32)
-    layout = layout_from_plan(dataclasses.replace(plan, world_size=options.world_size), model)
+    layout, options = plan_layout(plan, model, options)
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(plan.cache_blocks, needs, len(layout.public))
     m = options.micro_batches
@@ -59,3 +57,16 @@ def evaluate_plan(
     placements = tuple(spec.placement for spec in layout.chunks)
     cost = step_cost(tl, times, placement_cost(times, placements, m), hides_host_work(hardware))
     return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)
+
+
+def plan_layout(plan: ElixirPlan, model: ModelProfile, options: SearchOptions) -> tuple[Layout, SearchOptions]:
+    """The layout ``plan`` runs with at ``options.world_size``, and the options with its reduce dtype.
+
+    Raises:
+        PlanError: when the plan was built for another world size or does not match the model.
+    """
+    if plan.world_size is not None and plan.world_size != options.world_size:
+        raise PlanError(f"the plan was built for world size {plan.world_size}, not {options.world_size}")
+    # As the runtime's policy: fp32 reduction only where both the plan and the precision ask for it.
+    options = dataclasses.replace(options, reduce_in_fp32=options.reduce_in_fp32 and plan.reduce_in_fp32)
+    return layout_from_plan(dataclasses.replace(plan, world_size=options.world_size), model), options

@@ -202,52 +202,70 @@ def _packed_numel(numels: list[int], capacity: int) -> int:
 
 
 def access_chunks(layout: Layout, model: ModelProfile) -> tuple[tuple[int, ...], ...]:
-    """Per access, the public chunks it needs, ascending (private chunks are always gathered)."""
+    """Per access, the public chunks it holds pinned, ascending (private chunks are always gathered).
+
+    Those are the chunks of its parameters. A recomputation (activation checkpointing) that needs
+    any also holds those of the backward access it runs inside: that module's backward pinned its
+    chunks before it asked for the recomputed activations, and keeps them until its gradients exist.
+    """
     chunk_of = layout.chunk_of
     private = set(layout.private)
     out = []
+    backward: set[int] = set()
     for access in model.accesses:
         try:
-            ids = {chunk_of[name] for name in access.params}
+            ids = {chunk_of[name] for name in access.params} - private
         except KeyError as err:
             raise PlanError(f"access {access.module} uses parameter {err.args[0]} that no chunk holds") from None
-        out.append(tuple(sorted(ids - private)))
+        if access.phase == "backward":
+            backward = ids
+        elif access.phase == "recompute" and ids:
+            ids = ids | backward
+        out.append(tuple(sorted(ids)))
     return tuple(out)
+
+
+def grad_positions(model: ModelProfile) -> dict[str, int]:
+    """Per trainable parameter, the access after which its gradient has accumulated.
+
+    Autograd sums every use of a parameter before its accumulate-grad hook fires, so that is its last
+    backward access, or the recomputation right after it (activation checkpointing: the module's
+    backward runs once its block is recomputed). A trainable parameter that no backward access
+    touches gets its (zero) gradient at the end of the micro-batch.
+    """
+    accesses = model.accesses
+    last = max(len(accesses) - 1, 0)
+    done = list(range(len(accesses)))
+    for position in range(len(accesses) - 2, -1, -1):
+        if accesses[position + 1].phase == "recompute":
+            done[position] = done[position + 1]
+    arrived = {p.name: last for p in model.params if p.requires_grad}
+    touched: dict[str, int] = {}
+    for position, access in enumerate(accesses):
+        if access.phase == "backward":
+            touched.update((name, done[position]) for name in access.params if name in arrived)
+    return arrived | touched
 
 
 def reduce_positions(layout: Layout, model: ModelProfile) -> tuple[int | None, ...]:
     """Per chunk, the access after which it is reduce-scattered (None: nothing in it is trained).
 
     The runtime reduces in a fixed order, public chunks last-to-first then private chunks, each as
-    soon as its gradients are complete (after its last backward access) and the one before it in
-    that order has gone. A trainable chunk that no backward access touches completes at the end of
-    the micro-batch.
+    soon as every trainable parameter in it has its gradient (``grad_positions``) and the one before
+    it in that order has gone.
     """
-    last = max(len(model.accesses) - 1, 0)
     chunk_of = layout.chunk_of
-    complete = [last] * len(layout.chunks)
-    for p, access in enumerate(model.accesses):
-        if access.phase == "backward":
-            for name in access.params:
-                complete[chunk_of[name]] = p
-    trains = _trainable_chunks(layout, model)
+    complete: list[int | None] = [None] * len(layout.chunks)
+    for name, position in grad_positions(model).items():
+        c = chunk_of[name]
+        complete[c] = max(position, complete[c] or 0)
     positions: list[int | None] = [None] * len(layout.chunks)
     previous = 0
     for c in tuple(reversed(layout.public)) + layout.private:
-        if trains[c]:
+        if complete[c] is not None:
             previous = max(previous, complete[c])
             positions[c] = previous
     return tuple(positions)
-
-
-def _trainable_chunks(layout: Layout, model: ModelProfile) -> list[bool]:
-    """Per chunk, whether any of its parameters requires a gradient."""
-    trains = [False] * len(layout.chunks)
-    chunk_of = layout.chunk_of
-    for p in model.params:
-        if p.requires_grad:
-            trains[chunk_of[p.name]] = True
-    return trains
 
 
 def offload_order(layout: Layout, model: ModelProfile) -> tuple[int, ...]:

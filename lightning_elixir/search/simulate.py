@@ -10,6 +10,9 @@ The runtime follows exactly these rules, so the gather counts here are what it w
   eviction and prefetch, look no further than the end of the current micro-batch (the runtime
   replays the order it recorded for one forward and backward).
 - Private chunks are gathered once at the start of the step and stay gathered; they take no block.
+- An access that needs no public chunk (a module holding only private parameters, a use of a
+  private parameter outside its owner) leaves the cache alone: the runtime's cache sees no
+  acquisition there, so nothing is gathered, evicted or prefetched.
 - At an access, its public chunks are pinned and gathered (ascending chunk index) if not cached.
   With no free block, the unpinned cached chunk whose next use is furthest is evicted (Belady);
   a chunk with no next use is furthest. Ties: the lower chunk index is evicted.
@@ -22,6 +25,7 @@ The runtime follows exactly these rules, so the gather counts here are what it w
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Union
 
@@ -159,6 +163,23 @@ class _Cache:
         return tuple(taken)
 
 
+def _replay(needs: list[tuple[int, ...]], n_chunks: int, blocks: int, depth: int,
+            micro_batches: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], _Cache]]:
+    """Per access position of the step: its demand gathers, its prefetches and the cache after both."""
+    after, first_use = _next_uses(needs, n_chunks)
+    cache = _Cache(blocks)
+    for _ in range(micro_batches):
+        cache.start(first_use)
+        for p, need in enumerate(needs):
+            if not need:  # no acquisition: the runtime does not prefetch here either
+                yield (), (), cache
+                continue
+            missed = cache.demand(need)
+            for c, nxt in zip(need, after[p]):
+                cache.next_use[c] = nxt
+            yield missed, cache.prefetch(depth, need) if depth else (), cache
+
+
 def replay(needs: list[tuple[int, ...]], n_chunks: int, blocks: int, depth: int,
            micro_batches: int = 1) -> tuple[tuple, tuple]:
     """Replay ``needs`` (public chunks per access of one micro-batch) for every micro-batch of a step.
@@ -166,17 +187,18 @@ def replay(needs: list[tuple[int, ...]], n_chunks: int, blocks: int, depth: int,
     Returns:
         Per access position (micro-batches concatenated): the demand gathers and the prefetches.
     """
-    after, first_use = _next_uses(needs, n_chunks)
-    cache = _Cache(blocks)
     demand, prefetched = [], []
-    for _ in range(micro_batches):
-        cache.start(first_use)
-        for p, need in enumerate(needs):
-            demand.append(cache.demand(need))
-            for c, nxt in zip(need, after[p]):
-                cache.next_use[c] = nxt
-            prefetched.append(cache.prefetch(depth, need) if depth else ())
+    for missed, ahead, _ in _replay(needs, n_chunks, blocks, depth, micro_batches):
+        demand.append(missed)
+        prefetched.append(ahead)
     return tuple(demand), tuple(prefetched)
+
+
+def cached_chunks(needs: list[tuple[int, ...]], n_chunks: int, blocks: int, depth: int,
+                  micro_batches: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per access position of ``replay``'s step: the public chunks gathered once its demand gathers
+    and prefetches are issued (ascending)."""
+    return tuple(tuple(sorted(cache.cached)) for _, _, cache in _replay(needs, n_chunks, blocks, depth, micro_batches))
 
 
 def simulate(

@@ -7,9 +7,10 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_elixir.plan import pack_chunks
-from lightning_elixir.profile.types import ModelProfile, ParamInfo
-from lightning_elixir.search import SearchOptions, build_layout, candidate_chunk_numels
+from lightning_elixir.plan import ChunkSpec, pack_chunks
+from lightning_elixir.profile.types import Access, ModelProfile, ParamInfo
+from lightning_elixir.search import Layout, SearchOptions, build_layout, candidate_chunk_numels
+from lightning_elixir.search.layout import access_chunks, grad_positions, reduce_positions
 from tests.search.profiles import chain_profile, chain_profiles, gpt_profile
 
 
@@ -85,3 +86,26 @@ def test_many_tiny_parameters_keep_the_grid_cheap():
     sizes = candidate_chunk_numels(model, SearchOptions())
     assert time.perf_counter() - start < 20.0
     assert sizes[0] >= 1 << 20 and len(sizes) <= SearchOptions().chunk_size_steps
+
+
+def _checkpointed_profile() -> ModelProfile:
+    """m0 and m1 in one checkpointed block, m1's parameter p1b frozen; backward of m1 recomputes both."""
+    params = tuple(ParamInfo(n, 64, (64,), "float32", n != "p1b", n[:2].replace("p", "m"))
+                   for n in ("p0", "p1a", "p1b"))
+    accesses = (Access("forward", "m0", ("p0",), 0), Access("forward", "m1", ("p1a", "p1b"), 0),
+                Access("backward", "m1", ("p1a", "p1b"), 0), Access("recompute", "m0", ("p0",), 0),
+                Access("recompute", "m1", ("p1a", "p1b"), 0), Access("backward", "m0", ("p0",), 0))
+    return ModelProfile(params, accesses, (), 0, 0)
+
+
+def test_a_recomputation_holds_the_chunks_of_the_backward_it_runs_for():
+    model = _checkpointed_profile()
+    layout = Layout((ChunkSpec(("p0",), 64), ChunkSpec(("p1a",), 64), ChunkSpec(("p1b",), 64)), 1, 64, 192)
+    assert access_chunks(layout, model) == ((0,), (1, 2), (1, 2), (0, 1, 2), (1, 2), (0,))
+
+
+def test_gradients_land_after_the_recomputation_their_backward_waits_for():
+    model = _checkpointed_profile()
+    assert grad_positions(model) == {"p0": 5, "p1a": 4}  # p1b is frozen
+    layout = Layout((ChunkSpec(("p0",), 64), ChunkSpec(("p1a", "p1b"), 128)), 1, 128, 192)
+    assert reduce_positions(layout, model) == (5, 4)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_elixir.plan import ElixirPlan, PlanError
 from lightning_elixir.search import build_layout, simulate_gathers
-from lightning_elixir.search.simulate import min_cache_blocks, replay
+from lightning_elixir.search.simulate import cached_chunks, min_cache_blocks, replay
 from tests.search.profiles import chain_profile, gpt_profile
 
 
@@ -115,6 +115,10 @@ def reference_replay(needs, blocks, depth, micro_batches=1):
     demand, prefetched = [], []
     for _ in range(micro_batches):
         for p, need in enumerate(needs):
+            if not need:  # the runtime's cache sees no acquisition
+                demand.append(())
+                prefetched.append(())
+                continue
             missed = []
             for c in need:
                 if c not in cached:
@@ -200,3 +204,23 @@ def test_simulating_a_20b_profile_is_fast():
     elapsed = time.perf_counter() - start
     assert result.demand_misses + result.prefetches > len(layout.public)  # ZeRO-3-like: re-gathers in backward
     assert elapsed < 1.0, f"simulation took {elapsed:.3f}s"
+
+
+def test_an_access_needing_no_public_chunk_leaves_the_cache_alone():
+    # The runtime's cache sees no acquisition there: no prefetch at p0 or p2 (else chunk 0 would be
+    # prefetched at p0 and chunk 2 at p2).
+    needs = [(), (0,), (), (1,), (2,)]
+    demand, prefetched = replay(needs, 3, 2, 1)
+    assert demand == ((), (0,), (), (), ())
+    assert prefetched == ((), (1,), (), (2,), ())
+    assert cached_chunks(needs, 3, 2, 1) == ((), (0, 1), (0, 1), (1, 2), (1, 2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(sequences(), st.integers(0, 3), st.integers(1, 3))
+def test_the_cache_holds_what_each_access_needs_within_its_blocks(seq, depth, micro_batches):
+    needs, n, blocks = seq
+    held = cached_chunks(needs, n, blocks, depth, micro_batches)
+    assert len(held) == len(needs) * micro_batches
+    for position, chunks in enumerate(held):
+        assert set(needs[position % len(needs)]) <= set(chunks) and len(chunks) <= blocks

@@ -1,0 +1,111 @@
+"""Measuring the memory timeline of one optimizer step ([Note: timeline positions] in timeline.py).
+
+The runtime reports each training iteration, each cache acquisition and each optimizer step to a
+``TimelineRecorder`` while one is attached (``ElixirRuntime.record_timeline()``); without one, each
+of those places costs one attribute check. The bytes are counted from the tensors the runtime
+holds, as ``ElixirRuntime.memory_stats()`` counts them, so they are exact and need no allocator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from lightning_elixir.runtime.states import ChunkState
+from lightning_elixir.timeline import MemoryTimeline, position_label
+
+if TYPE_CHECKING:
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+
+
+class TimelineRecorder:
+    """The device bytes the runtime holds at every cache acquisition of one optimizer step.
+
+    It starts with the first training forward that begins an optimizer step, records every
+    micro-batch of that step (forwards without grad, such as evaluation, are skipped) and stops at
+    the step's ``optimizer.step()`` (or its skip); ``done`` is then True and ``timeline`` complete.
+    Record a step after the first: the cache learns the access order on the first iteration and only
+    replays it, prefetching, from the second on, and the optimizer state exists after the first step.
+
+    On CUDA the activations are what the caching allocator holds beyond the runtime's bytes (inputs,
+    activations, temporaries, module buffers); elsewhere they are left unknown.
+    """
+
+    def __init__(self, runtime: "ElixirRuntime", budget_bytes: Optional[int] = None) -> None:
+        self.runtime = runtime
+        self.budget_bytes = budget_bytes
+        self.started = False
+        """The recorded step has begun."""
+        self.done = False
+        """The recorded step has ended: ``timeline`` is complete."""
+        self._recording = False
+        self._micro_batches = 0
+        self._allocator = runtime.device.type == "cuda"
+        self._optimizer: Optional[tuple[int, int]] = None
+        self._labels: list[str] = []
+        self._series: dict[str, list[int]] = {"params": [], "grads": [], "optimizer": [], "activations": []}
+
+    @property
+    def timeline(self) -> MemoryTimeline:
+        """What has been recorded (the whole step once ``done``)."""
+        s = self._series
+        return MemoryTimeline(self._labels, s["params"], s["grads"], s["optimizer"],
+                              s["activations"] if self._allocator else None, self.budget_bytes,
+                              max(self._micro_batches, 1))
+
+    def begin_iteration(self, training: bool, starts_step: bool) -> None:
+        """A forward begins; ``starts_step``: no training iteration has run since the last optimizer step."""
+        if self.done:
+            return
+        self._recording = training and (self.started or starts_step)
+        if self._recording:
+            self.started = True
+            self._micro_batches += 1
+
+    def acquired(self, phase: str, module: str) -> None:
+        """The cache has gathered a module's chunks and issued its prefetches: count the bytes."""
+        if not self._recording:
+            return
+        params, grads, optimizer = self._params_bytes(), self._grads_bytes(), self._optimizer_bytes()
+        self._labels.append(position_label(phase, module))
+        self._series["params"].append(params)
+        self._series["grads"].append(grads)
+        self._series["optimizer"].append(optimizer)
+        if self._allocator:
+            held = torch.cuda.memory_allocated(self.runtime.device)
+            # The allocator rounds every block up, so it never holds less than the runtime counts.
+            self._series["activations"].append(max(held - params - grads - optimizer, 0))
+
+    def end_step(self) -> None:
+        """The optimizer step (or its skip) ends the recorded step, if it has begun."""
+        if self.started:
+            self.done, self._recording = True, False
+
+    def _params_bytes(self) -> int:
+        """Parameter shards, gathered public chunks and gathered private chunks."""
+        rt = self.runtime
+        gathered = sum(c.full_bytes for c in rt.cache.gathered.values())
+        private = sum(c.full_bytes for c in rt.private if c.state is not ChunkState.FREE)
+        return sum(c.shard.nbytes for c in rt.chunks) + gathered + private
+
+    def _grads_bytes(self) -> int:
+        """Device gradient shards, full gradient buffers, and the outputs of started reduce-scatters."""
+        total = 0
+        for c in self.runtime.chunks:
+            if not c.offloaded:
+                total += c.grad_shard.nbytes
+            if c.grad_full is not None:
+                total += c.grad_full.nbytes
+            if c.reduce_started:  # its shard-size output, on the device until the reduction finishes
+                total += c.shard_numel * c.reduce_dtype.itemsize
+        return total
+
+    def _optimizer_bytes(self) -> int:
+        """Separate masters and optimizer state of the device chunks (recounted after each optimizer step)."""
+        rt = self.runtime
+        if self._optimizer is None or self._optimizer[0] != rt.steps:
+            total = sum((0 if c.master is c.shard else c.master.nbytes) + rt.optimizer_state_bytes(c)
+                        for c in rt.chunks if not c.offloaded)
+            self._optimizer = (rt.steps, total)
+        return self._optimizer[1]
