@@ -5,11 +5,12 @@ Importing the package registers the strategy names "elixir", "elixir_spawn", "el
 """
 
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
+from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.precision import ElixirPrecision
 from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.strategy import ElixirStrategy
 
-__all__ = ["ChunkSpec", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError", "PlanError"]
+__all__ = ["ChunkSpec", "ElixirMonitor", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError", "PlanError"]
 __version__ = "0.1.0"
 
 

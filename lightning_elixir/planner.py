@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -82,6 +83,11 @@ class PlanningResult:
     fallback_reason: Optional[str] = None
     """Why the step could not be traced (on the first rank that failed) so that every rank runs
     ``FALLBACK_PLAN``; None when planning searched."""
+    options: Optional[SearchOptions] = None
+    """What the search assumed about the run (world size, micro-batches, dtypes, offload). None after a fallback."""
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Wall seconds of each part of planning on this rank: "hardware" (measured, or read from the
+    cache or the user's profile), "profile" (the step traced on fake tensors), "search"."""
 
 
 @dataclass(frozen=True)
@@ -273,10 +279,13 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
           offload: Optional[OffloadSettings] = None) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
     offload = offload or OffloadSettings()
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
     with preserved_rng(cuda=device.type == "cuda"):
         # collective: before anything may fail
         hw = measure_hardware(device, group, compute_dtype, hardware, offload.nvme_path)
         budget = budget_bytes(device, memory_limit, local_world_size)
+        seconds["hardware"], clock = time.perf_counter() - clock, time.perf_counter()
         try:
             profile = trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw, device=device,
                             param_dtype=compute_dtype)
@@ -284,14 +293,16 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
         except Exception as err:  # noqa: BLE001 (any failure on fake tensors: the real run will show real ones)
             log.debug("plan='auto' could not trace %s", what, exc_info=err)
             profile, reason = None, f"{type(err).__name__}: {err}"
+        seconds["profile"], clock = time.perf_counter() - clock, time.perf_counter()
         reason = _first_failure(reason, group)  # every rank falls back, or none: they must run one plan
         if reason is not None:
             _warn_fallback(what, reason)
-            return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason)
+            return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason, seconds=seconds)
         profile = with_private_params(profile, private_params)
         options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
         plan, report = search(profile, hw, budget, options)
-        return PlanningResult(_agree(plan, group), report, profile, hw, budget)
+        seconds["search"] = time.perf_counter() - clock
+        return PlanningResult(_agree(plan, group), report, profile, hw, budget, options=options, seconds=seconds)
 
 
 def with_private_params(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:

@@ -35,8 +35,9 @@ from typing_extensions import override
 
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
+from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
-from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
+from lightning_elixir.planner import PlanningResult
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
@@ -263,6 +264,9 @@ class ElixirStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None:
+            self.monitor(trainer)  # added before the callbacks' hooks run, so it sees the whole stage
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -313,17 +317,18 @@ class ElixirStrategy(ParallelStrategy):
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
             return self.plan
-        precision = self.precision_plugin
         # plans for the stage being run (fit, validate, test, predict), from that stage's own data
-        self.planning = plan_for_trainer(
-            self.model, trainer, device=self.root_device, group=self._group(),
-            compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
-            memory_limit=self.device_memory_limit, local_world_size=self.num_processes,
-            hardware=self.hardware_profile, private_params=self.private_params,
-            offload=OffloadSettings(nvme_path=self.nvme_path, host_memory_limit=self.host_memory_limit))
-        if self.planning.report is not None:  # None: the step could not be traced and planning warned why
-            rank_zero_info(self.planning.report.summary())
+        self.planning = self.monitor(trainer).plan(trainer, self)
         return self.planning.plan
+
+    def monitor(self, trainer: Any) -> ElixirMonitor:
+        """The trainer's ElixirMonitor: the user's, or one added now ([Note: the planning callback])."""
+        found = [cb for cb in trainer.callbacks if isinstance(cb, ElixirMonitor)]
+        if found:
+            return found[0]
+        monitor = ElixirMonitor()
+        trainer.callbacks.insert(0, monitor)
+        return monitor
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:

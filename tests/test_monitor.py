@@ -1,0 +1,102 @@
+"""The planning callback through the CLI: TensorBoard tags, predicted vs measured timelines, the saved plan."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_elixir import ElixirPlan
+from tests.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 5
+
+
+def _fit(root: Path, steps: int, *args: str) -> str:
+    """``lightning-elixir fit --config configs/gpt_cpu.yaml`` for ``steps`` steps on 2 CPU processes; its output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-m", "lightning_elixir.cli", "fit", "--config",
+                           str(REPO / "configs/gpt_cpu.yaml"), f"--trainer.max_steps={steps}",
+                           "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+                           f"--trainer.default_root_dir={root}", *args],
+                          cwd=root, env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """``lightning-elixir fit --config configs/gpt_cpu.yaml --trainer.max_steps 5`` on 2 CPU processes."""
+    root = tmp_path_factory.mktemp("monitor")
+    output = _fit(root, STEPS)
+    (events,) = glob.glob(str(root / "lightning_logs" / "version_0" / "events.out.tfevents.*"))
+    accumulator = EventAccumulator(events, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    accumulator.Reload()
+    return {"root": root, "logs": root / "lightning_logs" / "version_0", "events": accumulator, "output": output}
+
+
+def test_planning_reports_progress_in_a_few_lines(cpu_run):
+    lines = [line for line in cpu_run["output"].splitlines() if line.startswith("Elixir:")]
+    assert 3 <= len(lines) <= 5, lines
+    assert "planned in" in lines[1] and "chose chunk=" in lines[2] and "budget per rank" in lines[3]
+
+
+def _series(events: EventAccumulator, tag: str) -> list[float]:
+    return [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
+
+
+def test_tensorboard_has_the_plan_the_timelines_and_per_step_memory(cpu_run):
+    events = cpu_run["events"]
+    tags = events.Tags()
+    assert "elixir/plan/text_summary" in tags["tensors"]
+    text = events.Tensors("elixir/plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "Elixir search" in text and "chunk_numel" in text
+    for kind in ("params", "grads", "optimizer", "runtime", "activations", "total", "budget"):
+        assert f"elixir/predicted_memory/{kind}_mib" in tags["scalars"]
+    for kind in ("params", "grads", "optimizer", "runtime"):
+        assert f"elixir/measured_memory/{kind}_mib" in tags["scalars"]
+    steps = {e.step for e in events.Scalars("elixir/time/step_ms")}
+    assert steps == set(range(1, STEPS + 1))
+    for tag in ("elixir/memory/host_mib", "elixir/memory/nvme_mib", "elixir/time/compute_ms",
+                "elixir/time/gather_wait_ms", "elixir/time/reduce_wait_ms", "elixir/time/optimizer_ms",
+                "elixir/predicted_time/step_ms"):
+        assert {e.step for e in events.Scalars(tag)} == steps, tag
+    if "matplotlib" in sys.modules or _has_matplotlib():
+        assert "elixir/memory_timeline" in tags["images"]
+        assert (cpu_run["logs"] / "elixir_memory_timeline.png").stat().st_size > 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_predicted_and_measured_runtime_bytes_agree_at_every_position(cpu_run):
+    events = cpu_run["events"]
+    for kind in ("params", "grads", "optimizer", "runtime"):
+        predicted = _series(events, f"elixir/predicted_memory/{kind}_mib")
+        measured = _series(events, f"elixir/measured_memory/{kind}_mib")
+        assert len(predicted) == len(measured) > 0
+        assert predicted == measured, kind
+    total, runtime = _series(events, "elixir/predicted_memory/total_mib"), _series(events, "elixir/predicted_memory/runtime_mib")
+    assert all(t >= r for t, r in zip(total, runtime))
+
+
+def test_the_saved_plan_trains_again_without_searching(cpu_run, tmp_path):
+    path = cpu_run["logs"] / "elixir_plan.json"
+    saved = ElixirPlan.from_json(path)
+    assert (cpu_run["logs"] / "elixir_report.txt").read_text().startswith("Elixir search")
+    out = _fit(tmp_path, 2, "--trainer.strategy=lightning_elixir.ElixirStrategy",
+               f"--trainer.strategy.init_args.plan={path}")
+    assert "Elixir: planning" not in out  # the monitor's first line when it searches
+    assert f"chunk_numel={saved.chunk_numel}, cache_blocks={saved.cache_blocks}" in out
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in out
