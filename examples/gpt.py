@@ -161,11 +161,16 @@ class GPTLightningModule(L.LightningModule):
 class BigramTokens(Dataset):
     """Token sequences sampled from a fixed random bigram table (seeded, so every rank agrees)."""
 
-    def __init__(self, vocab_size: int, block_size: int, num_samples: int, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, block_size: int, num_samples: int, seed: int = 0,
+                 sample_seed: int | None = None) -> None:
+        """``seed`` draws the table (and the samples, unless ``sample_seed`` is given: a held-out set
+        of the same distribution)."""
         g = torch.Generator().manual_seed(seed)
         # Each token has a few likely successors: learnable, far from uniform.
         logits = torch.randn(vocab_size, vocab_size, generator=g) * 3.0
         probs = torch.softmax(logits, dim=-1)
+        if sample_seed is not None:
+            g = torch.Generator().manual_seed(sample_seed)
         start = torch.randint(vocab_size, (num_samples,), generator=g)
         seqs = [start]
         for _ in range(block_size):
@@ -190,7 +195,8 @@ class BigramDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         h = self.hparams
         self.train_set = BigramTokens(h.vocab_size, h.block_size, h.num_samples, h.seed)
-        self.val_set = BigramTokens(h.vocab_size, h.block_size, max(h.num_samples // 8, h.batch_size), h.seed + 1)
+        self.val_set = BigramTokens(h.vocab_size, h.block_size, max(h.num_samples // 8, h.batch_size), h.seed,
+                                    sample_seed=h.seed + 1)  # the same table: validation measures what training learns
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False)
