@@ -19,8 +19,9 @@ figures only where the logger can take them):
   ``ElixirStrategy(plan="that.json")`` reuses it; nothing is written without a logger);
 - on training step ``timeline_step``: the same positions measured (``elixir/measured_memory/<kind>``)
   and, with matplotlib installed, a figure of both (also saved as ``elixir_memory_timeline.png``);
-- every ``log_every_n_steps`` training steps: device memory (the CUDA allocator's peak on GPUs,
-  the runtime's bytes everywhere), host and NVMe bytes of offloaded state, and the step time broken
+- every ``log_every_n_steps`` training steps: device memory (the CUDA allocator's peak on GPUs;
+  everywhere the bytes the runtime holds between steps), host memory (pinned on GPUs) and NVMe
+  bytes of offloaded state, and the step time broken
   down into compute and the host's waits for gathers, reduce-scatters, offloaded updates and the
   optimizer (runtime/phases.py), next to the search's prediction (``elixir/predicted_time/...``).
 """
@@ -59,7 +60,8 @@ class ElixirMonitor(Callback):
             cache replays afterwards, so the default is the third.
         log_every_n_steps: How often to log the per-step memory and time breakdown; default: the
             trainer's ``log_every_n_steps``.
-        save_plan: Write the plan as ``elixir_plan.json`` into the log directory.
+        save_plan: Write the plan as ``elixir_plan.json`` and the search report as ``elixir_report.txt``
+            into the first logger's directory.
         figure: Log a figure of the predicted and measured timelines (needs matplotlib).
 
     See [Note: the planning callback] for what it logs.
@@ -232,13 +234,11 @@ def _plan_text(plan: ElixirPlan, planning: Optional[PlanningResult]) -> str:
 def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
                   planning: Optional[PlanningResult]) -> dict[str, float]:
     """Per-step memory and the step time by phase, with the prediction next to it."""
-    stats_held = sum(c.shard.nbytes for c in runtime.chunks)
-    metrics = {"elixir/memory/runtime_param_shards_mib": stats_held / MiB,
+    metrics = {"elixir/memory/runtime_held_mib": _held_between_steps(runtime) / MiB,
                "elixir/memory/host_mib": runtime.offload.host_bytes() / MiB,
                "elixir/memory/nvme_mib": runtime.offload.nvme_bytes() / MiB}
     if runtime.device.type == "cuda":
         metrics["elixir/memory/device_peak_mib"] = torch.cuda.max_memory_allocated(runtime.device) / MiB
-        metrics["elixir/memory/pinned_host_mib"] = runtime.offload.host_bytes() / MiB
     waits = sum(phases[p] for p in PHASES)
     metrics["elixir/time/step_ms"] = step_s * 1e3
     metrics["elixir/time/compute_ms"] = max(step_s - waits, 0.0) * 1e3
@@ -252,6 +252,19 @@ def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
                         "elixir/predicted_time/optimizer_ms": c.device_optimizer_s * 1e3,
                         "elixir/predicted_time/exposed_offload_ms": c.exposed_host_s * 1e3})
     return metrics
+
+
+def _held_between_steps(runtime: Any) -> int:
+    """Device bytes the runtime holds after an optimizer step: parameter shards, and the gradient shards,
+    separate masters and optimizer state of device chunks (no gathered chunk: the step released them).
+
+    Counted without waiting for offloaded updates (``memory_stats`` would), so logging changes no overlap."""
+    held = sum(c.shard.nbytes for c in runtime.chunks)
+    for chunk in runtime.chunks:
+        if not chunk.offloaded:
+            held += chunk.grad_shard.nbytes + (0 if chunk.master is chunk.shard else chunk.master.nbytes)
+            held += runtime.optimizer_state_bytes(chunk)
+    return held
 
 
 def _log_timeline(logger: Any, prefix: str, timeline: MemoryTimeline, with_budget: bool) -> None:

@@ -1,7 +1,7 @@
 """plan="auto": profile the model and the machine, then search, before the model is chunked.
 
-The strategy calls ``plan_for_trainer`` from its ``setup``; the planning callback will take this
-over (and log the report and memory timelines). Every rank profiles (the hardware benchmarks are
+The planning callback (monitor.py, ``ElixirMonitor.plan``) calls ``plan_for_trainer`` when the
+strategy's ``setup`` asks for a plan, and logs the report and the memory timelines. Every rank profiles (the hardware benchmarks are
 collective) and searches; rank 0's plan is broadcast so that all ranks run the same one even if
 their measurements differ in the last digit.
 

@@ -63,7 +63,7 @@ def test_tensorboard_has_the_plan_the_timelines_and_per_step_memory(cpu_run):
         assert f"elixir/measured_memory/{kind}_mib" in tags["scalars"]
     steps = {e.step for e in events.Scalars("elixir/time/step_ms")}
     assert steps == set(range(1, STEPS + 1))
-    for tag in ("elixir/memory/host_mib", "elixir/memory/nvme_mib", "elixir/time/compute_ms",
+    for tag in ("elixir/memory/runtime_held_mib", "elixir/memory/host_mib", "elixir/memory/nvme_mib", "elixir/time/compute_ms",
                 "elixir/time/gather_wait_ms", "elixir/time/reduce_wait_ms", "elixir/time/optimizer_ms",
                 "elixir/predicted_time/step_ms"):
         assert {e.step for e in events.Scalars(tag)} == steps, tag
