@@ -22,6 +22,8 @@ completed, so checkpoints are uploaded to their target directly.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import re
@@ -237,17 +239,53 @@ def _rename(fs: AbstractFileSystem, tmp: str, target: str) -> None:
 def replace_dir(tmp: str, target: str) -> None:
     """Put the complete directory ``tmp`` at ``target`` (local), replacing a checkpoint already there.
 
-    Two renames when ``target`` exists: it is first moved to a temporary name (removed afterwards,
-    or by the next run's sweep), so a kill between them leaves no partial checkpoint at ``target``."""
+    Where the system can swap two names in one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``),
+    ``target`` always holds a whole checkpoint, the previous or the new one, and the previous one is
+    then removed under the temporary name. Elsewhere it takes two renames, ``target`` to a temporary
+    name first: a kill between them leaves no checkpoint at ``target`` (the previous one is a leftover)."""
     old = None
     if os.path.lexists(target):
-        old = os.path.join(os.path.dirname(target), temp_name())
-        os.replace(target, old)
-    os.replace(tmp, target)
+        if _exchange(tmp, target):
+            old = tmp  # the previous checkpoint, now under the temporary name
+        else:
+            old = os.path.join(os.path.dirname(target), temp_name())
+            os.replace(target, old)
+            os.replace(tmp, target)
+    else:
+        os.replace(tmp, target)
     if os.name == "posix":
         _fsync(os.path.dirname(target) or ".")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+def remove_dir(path: str) -> None:
+    """Remove a local checkpoint directory so that no kill leaves a partial one under its name: it is
+    renamed to a temporary name first (a kill then leaves a leftover for the next sweep)."""
+    hidden = os.path.join(os.path.dirname(os.path.abspath(path)), temp_name())
+    os.replace(path, hidden)
+    if os.name == "posix":
+        _fsync(os.path.dirname(hidden))
+    shutil.rmtree(hidden)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step; False where the system or file system cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to load (not a POSIX system)
+        return None
 
 
 def _fsync(path: str) -> None:

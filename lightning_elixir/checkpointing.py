@@ -13,7 +13,7 @@ from typing import Any, Optional
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
-from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, replace_dir, temp_name
+from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, remove_dir, replace_dir, temp_name
 from lightning_elixir.runtime.full_file import Records, drain, filled, write_torch_file
 from lightning_elixir.runtime.sharded import save_sharded
 from lightning_elixir.runtime.state_dict import deferred_records
@@ -54,6 +54,16 @@ class CheckpointSaver:
             io.save_streamed(filepath, lambda file: write_torch_file(checkpoint, records, file))
             return
         io.save_checkpoint(filled(checkpoint, records), filepath, storage_options=storage_options)
+
+    def remove(self, io: Any, filepath: Any) -> None:
+        """Remove a checkpoint: a local sharded directory through a temporary name (``remove_dir``), so a
+        kill never leaves a partial checkpoint under its name; anything else through ``io``."""
+        path = os.fspath(filepath)
+        local = path.removeprefix("file://") if "://" not in path or path.startswith("file://") else None
+        if local is not None and os.path.isdir(local):
+            remove_dir(local)
+        else:
+            io.remove_checkpoint(filepath)
 
     def unsplice(self) -> None:
         """Give the wrapping plugin that holds the AtomicCheckpointIO its own plugin back."""

@@ -469,6 +469,11 @@ class ElixirStrategy(ParallelStrategy):
             save_full_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self._saver.remove(self.checkpoint_io, filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
         path = os.fspath(checkpoint_path)
         if self.runtime is None or not os.path.isdir(path):

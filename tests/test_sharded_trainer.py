@@ -1,18 +1,33 @@
-"""state_dict_type="sharded" through the Trainer: exact resume, resume at another world size, convert."""
+"""state_dict_type="sharded" through the Trainer: exact resume, resume at another world size, convert, killed saves."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import multiprocessing
 import os
+import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint.api import CheckpointException
 
 from examples.gpt import BigramDataModule, GPTLightningModule
-from lightning_elixir import ElixirStrategy
+from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir.checkpoint_io import AtomicCheckpointIO, is_temp_name
+from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.runtime.sharded import convert_sharded_to_full, read_checkpoint
 from tests.distributed import free_port
 from tests.test_strategy import DATA, MODEL, LossRecorder, _losses
 
@@ -68,3 +83,193 @@ def test_convert_gives_a_full_checkpoint_for_the_plain_module(sharded, tmp_path)
     plain = GPTLightningModule(**MODEL)
     plain.load_state_dict(checkpoint["state_dict"])  # strict
     assert checkpoint["global_step"] == 3 and len(checkpoint["optimizer_states"]) == 1
+
+
+class _Marked(L.LightningModule):
+    """A 1024x1024 weight and a 16 MiB buffer: 24 MiB a checkpoint with SGD's momentum, of which a step
+    updates 8, so that a step is mostly its save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1024, 1024, bias=False)
+        self.register_buffer("ballast", torch.zeros(4 * 2**20))
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0, momentum=0.9)  # momentum: per-element state to save
+
+
+class _MarkAndReport(Callback):
+    """Sets the tensors to the step number before its save; reports each step once the save before it finished."""
+
+    def __init__(self, report: Connection) -> None:
+        self.report = report
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.report.send(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # before ModelCheckpoint's
+        with trainer.strategy.gathered_params(), torch.no_grad():
+            pl_module.layer.weight.fill_(trainer.global_step)  # a checkpoint's tensors say which step's save wrote it
+        pl_module.ballast.fill_(trainer.global_step)
+
+
+def _save_every_step(directory: str, root: str, port: int, ckpt_path: Optional[str], report: Connection) -> None:
+    """A fit that saves a sharded checkpoint every step, under a new name, until it is killed.
+
+    Without last.ckpt and without removing older checkpoints: replacing and removing a sharded
+    checkpoint have tests of their own below, which a kill at a random point rarely reaches."""
+    os.environ["MASTER_PORT"] = str(port)
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1, every_n_train_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ElixirStrategy(plan="zero3", state_dict_type="sharded"),
+                        max_steps=10**6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=root, callbacks=[checkpoints, _MarkAndReport(report)])
+    data = torch.utils.data.TensorDataset(torch.randn(8, 1024))
+    trainer.fit(_Marked(), torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=ckpt_path)
+
+
+def _whole_step(path: Path, scratch: Path) -> int:
+    """The step of a complete checkpoint whose tensors all hold it; raises if a file of it is missing."""
+    convert_sharded_to_full(path, scratch)  # reads every tensor
+    checkpoint = torch.load(scratch, weights_only=False)
+    step = checkpoint["global_step"]
+    for key in ("layer.weight", "ballast"):
+        assert bool((checkpoint["state_dict"][key] == step).all()), f"{path.name}, {key}: a mix of two saves"
+    return step
+
+
+def _check_sharded_dir(directory: Path, scratch: Path, last_reported: int) -> tuple[list[str], str, int]:
+    """Every directory with .metadata is a complete checkpoint whose tensors all hold its step; every
+    other entry is temporary; checkpoints are named after their step, the newest being the step last
+    reported or the next. Returns the temporary names and the newest checkpoint's name and step."""
+    steps = {}
+    for name in os.listdir(directory):
+        complete = (directory / name / ".metadata").exists()
+        if is_temp_name(name) and not complete:
+            continue  # an unfinished save's leftover, for the next setup to remove
+        assert complete, f"{name} looks unfinished under a checkpoint's name"
+        step = _whole_step(directory / name, scratch)  # a save killed before its rename is whole, too
+        if not is_temp_name(name):
+            assert re.fullmatch(rf"step={step}(-v\d+)?\.ckpt", name), name  # -v1: saved again after a resume
+            steps[name] = step
+    newest = max(steps, key=steps.get)
+    assert steps[newest] in (last_reported, last_reported + 1)  # the save of step last_reported + 1 may have finished
+    return [n for n in os.listdir(directory) if is_temp_name(n)], newest, steps[newest]
+
+
+def _received(receiver: Connection) -> list[int]:
+    """Everything sent to ``receiver`` by a process that has ended."""
+    out = []
+    with contextlib.suppress(EOFError):
+        while receiver.poll():
+            out.append(receiver.recv())
+    return out
+
+
+def test_sharded_saves_killed_at_random_points_leave_whole_checkpoints_and_the_next_run_clears_leftovers(tmp_path):
+    """A fit saving a sharded checkpoint every step (_save_every_step), killed with SIGKILL at a random
+    point after its first save, ten times in a row: each time, the checks of _check_sharded_dir hold; the
+    next fit resumes from the newest checkpoint at its step, and its setup has removed the temporary
+    directories the killed one left.
+
+    The fits are forked from multiprocessing's fork server, which imports torch and Lightning once. Between
+    fits, the test deletes the checkpoints it checked but the newest, to bound the disk space used."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    directory = tmp_path / "ckpt"
+    leftovers, newest, newest_step, swept = [], None, 0, 0
+    for seed in range(10):
+        receiver, sender = context.Pipe(duplex=False)
+        resume = None if newest is None else str(directory / newest)
+        proc = context.Process(target=_save_every_step, args=(str(directory), str(tmp_path / "root"), free_port(),
+                                                              resume, sender))
+        proc.start()
+        sender.close()  # the fit holds the only sending end: its death ends the pipe
+        reported = [receiver.recv()]  # its setup has swept the directory; EOFError: it died first
+        assert reported[0] == newest_step, "the fit resumes from the newest checkpoint"
+        assert not [n for n in leftovers if (directory / n).exists()], "setup removes the leftovers of killed saves"
+        swept += bool(leftovers)
+        reported.append(receiver.recv())  # a step's save finished: there is a checkpoint to keep whole
+        proc.join(timeout=random.Random(seed).uniform(0.0, 1.0))  # a step takes about 0.1 s, mostly saving
+        proc.kill()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL  # killed, not failed
+        reported += _received(receiver)
+        leftovers, newest, newest_step = _check_sharded_dir(directory, tmp_path / "converted.ckpt", reported[-1])
+        for name in set(os.listdir(directory)) - {newest, *leftovers}:
+            shutil.rmtree(directory / name)
+    assert swept, "no kill landed inside a save; the loop should spend most of its time saving"
+
+
+def _sharded_strategy() -> ElixirStrategy:
+    """A strategy with a runtime of a small model, as a one-process fit sets it up: enough for its save path."""
+    strategy = ElixirStrategy(plan="zero3", state_dict_type="sharded")
+    strategy.runtime = ElixirRuntime(torch.nn.Linear(64, 64), ElixirPlan(cache_blocks="min"))
+    return strategy
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: no handler runs, nothing after it happens."""
+
+
+def _killed_at(call: int, function: Callable) -> Callable:
+    """``function``, except that its ``call``-th call raises _Killed instead."""
+    calls = itertools.count(1)
+
+    def function_or_die(*args, **kwargs):
+        if next(calls) == call:
+            raise _Killed
+        return function(*args, **kwargs)
+
+    return function_or_die
+
+
+def _calls(function: Callable, calls: list) -> Callable:
+    """``function``, counting its calls in ``calls``."""
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def test_a_replacing_save_interrupted_at_any_rename_keeps_a_checkpoint_in_place(tmp_path, monkeypatch):
+    """last.ckpt saved again by the strategy, the save stopped at each of its renames in turn: last.ckpt is
+    then the previous checkpoint or the new one, whole, and stays after the next setup's sweep."""
+    strategy, replace, renames = _sharded_strategy(), os.replace, []
+    strategy.save_checkpoint({"global_step": 1}, tmp_path / "counted" / "last.ckpt")
+    monkeypatch.setattr(os, "replace", _calls(replace, renames))
+    strategy.save_checkpoint({"global_step": 2}, tmp_path / "counted" / "last.ckpt")
+    assert renames  # the swap into place itself is one atomic exchange where the system has one (Linux)
+    assert read_checkpoint(tmp_path / "counted" / "last.ckpt")[0]["extra"]["global_step"] == 2
+    for stop_at in range(1, len(renames) + 1):
+        directory = tmp_path / f"stopped-{stop_at}"
+        monkeypatch.setattr(os, "replace", replace)
+        strategy.save_checkpoint({"global_step": 1}, directory / "last.ckpt")
+        monkeypatch.setattr(os, "replace", _killed_at(stop_at, replace))
+        with pytest.raises((_Killed, CheckpointException)):  # DCP wraps what stops it inside its own steps
+            strategy.save_checkpoint({"global_step": 2}, directory / "last.ckpt")
+        monkeypatch.setattr(os, "replace", replace)
+        AtomicCheckpointIO().remove_leftovers(directory)  # the next setup
+        assert (directory / "last.ckpt").exists(), f"stopped at rename {stop_at} of {len(renames)}"
+        meta, _ = read_checkpoint(directory / "last.ckpt")
+        assert meta["extra"]["global_step"] in (1, 2)
+
+
+def test_a_removal_interrupted_half_way_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    """A sharded checkpoint removed by the strategy, the removal stopped before each of its file deletions
+    in turn: the checkpoint's name then holds nothing, or a directory without .metadata, or every file."""
+    strategy, unlink = _sharded_strategy(), os.unlink
+    strategy.save_checkpoint({"global_step": 1}, tmp_path / "saved")
+    saved = sorted(os.listdir(tmp_path / "saved"))
+    for stop_at in range(1, len(saved) + 1):
+        path = tmp_path / f"step={stop_at}.ckpt"
+        shutil.copytree(tmp_path / "saved", path)
+        monkeypatch.setattr(os, "unlink", _killed_at(stop_at, unlink))
+        with pytest.raises(_Killed):
+            strategy.remove_checkpoint(path)
+        monkeypatch.setattr(os, "unlink", unlink)
+        if (path / ".metadata").exists():
+            assert sorted(os.listdir(path)) == saved, f"stopped before deleting file {stop_at} of {len(saved)}"
