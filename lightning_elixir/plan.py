@@ -23,6 +23,10 @@ ALIGN_NUMEL = 64
 the same pointer alignment as for separately allocated tensors (BLAS results can depend on it)."""
 CACHE_ALL = "all"
 CACHE_MIN = "min"
+REDUCE_BUFFERS = 2
+"""Gradient reduce-scatters the runtime keeps in flight in backward: starting one more finishes the
+oldest, so that at most this many full-chunk gradient buffers wait on a reduction while later chunks
+are computed (the search budgets them: ``SearchOptions.reduce_buffers``)."""
 
 
 class PlanError(ValueError):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan
+from lightning_elixir.plan import REDUCE_BUFFERS
 from lightning_elixir.profile import ModelProfile, profile_model
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
@@ -133,20 +134,39 @@ def test_the_predicted_timeline_equals_the_measured_one(profiles, name, chunk_nu
     assert predicted["total"] == tuple(r + a for r, a in zip(predicted["runtime"], predicted["activations"]))
 
 
-def _measure_on_rank(rank: int, world_size: int, plan: ElixirPlan) -> dict:
-    return measure("mlp", plan, micro_batches=2).to_dict()
+def _measure_on_rank(rank: int, world_size: int, name: str, plan: ElixirPlan) -> dict:
+    return measure(name, plan, micro_batches=2).to_dict()
 
 
 def test_every_rank_holds_what_was_predicted_for_it(profiles):
     profile = _profile(profiles, "mlp")
     plan = _plan(profile, 4096, 2, 1, world_size=2)
     options = SearchOptions(world_size=2, micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
-    measured = [MemoryTimeline.from_dict(t) for t in run_distributed(_measure_on_rank, 2, plan)]
+    measured = [MemoryTimeline.from_dict(t) for t in run_distributed(_measure_on_rank, 2, "mlp", plan)]
     predicted = [predict_timeline(profile, plan, options, BUDGET_BYTES, rank=r) for r in range(2)]
     for p, m in zip(predicted, measured):
         assert_same_runtime_bytes(p, m)
     # Optimizer state covers trained elements only, and the ranks' shards hold different padding.
     assert predicted[0]["optimizer"] != predicted[1]["optimizer"]
+
+
+def test_reductions_in_flight_bound_the_gradient_buffers(profiles):
+    """Each rank holds its gradient shards, the reductions in flight and the chunk receiving gradients,
+    never the whole model's gradient (as when every reduction was retired at the end of backward)."""
+    profile = _profile(profiles, "gpt")
+    world_size = 2
+    plan = _plan(profile, 4096, "min", 1, world_size=world_size)
+    assert len(plan.chunks) > 2 * (REDUCE_BUFFERS + 1)  # more chunks than the bound lets hold buffers
+    options = SearchOptions(world_size=world_size, micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
+    measured = [MemoryTimeline.from_dict(t) for t in run_distributed(_measure_on_rank, world_size, "gpt", plan)]
+    fp32 = 4
+    full_bytes = max(spec.numel for spec in plan.chunks) * fp32
+    shards_bytes = sum(spec.numel // world_size for spec in plan.chunks) * fp32
+    in_flight_bytes = REDUCE_BUFFERS * (full_bytes + full_bytes // world_size)
+    for rank, timeline in enumerate(measured):
+        assert_same_runtime_bytes(predict_timeline(profile, plan, options, rank=rank), timeline)
+        # At the peak one chunk receives gradients while REDUCE_BUFFERS reductions are in flight.
+        assert shards_bytes + in_flight_bytes < max(timeline["grads"]) <= shards_bytes + in_flight_bytes + full_bytes
 
 
 def test_recording_waits_for_a_whole_step_and_skips_evaluation(profiles):

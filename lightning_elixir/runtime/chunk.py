@@ -264,9 +264,9 @@ class Chunk:
         ``work.wait()`` on an NCCL work makes the current stream wait for the collective, not the
         host. The copy stream then waits for the current stream and copies the shard into pinned
         host memory without blocking: directly into the gradient shard when it is overwritten, or
-        into a staging buffer when it accumulates (added on the host at the end of backward). The
-        event recorded after the copy is what ``finish_reduce`` waits for; ``out`` stays referenced
-        until then, so the allocator cannot reuse it while the copy reads it.
+        into a staging buffer when it accumulates (added on the host when the reduction is retired).
+        The event recorded after the copy is what ``finish_reduce`` waits for; ``out`` stays
+        referenced until then, so the allocator cannot reuse it while the copy reads it.
         """
         self.settle()  # the previous update reads the gradient shard this copy overwrites
         work.wait()

@@ -7,8 +7,9 @@ machines) and its optimizer state where torch creates it, next to the master. A 
 written and read whole, validated on read: runtime/nvme.py); its gradient shard stays in host
 memory because every micro-batch writes it.
 
-The reduce-scatter of an offloaded chunk lands its gradient in the host shard at the end of
-backward. When the optimizer steps, the user's ``optimizer.step()`` updates the device chunks on
+The reduce-scatter of an offloaded chunk lands its gradient in the host shard when the reduction is
+retired (two reductions later, or at the end of backward: [Note: reductions in flight] in
+runtime.py). When the optimizer steps, the user's ``optimizer.step()`` updates the device chunks on
 the main thread and the offloaded chunks are handed to one worker thread, in the order the next
 forward needs them (private chunks, then public chunks in first-use order). Per chunk the worker
 reads the NVMe record (the next chunk's read is issued before this chunk's update: read-ahead),

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, REDUCE_BUFFERS, ElixirPlan
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
@@ -93,6 +93,9 @@ class ElixirRuntime:
         self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
         self._reduce_order = [c for c in reversed(self.public) if c.grad_requiring] + [c for c in self.private if c.grad_requiring]
         self._next_reduce = 0
+        """The next chunk in ``_reduce_order`` to reduce-scatter in this backward."""
+        self._next_retire = 0
+        """The next chunk in ``_reduce_order`` to retire; those from it up to ``_next_reduce`` are in flight."""
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
         self._views: dict[int, nn.Parameter] = {}
@@ -241,7 +244,7 @@ class ElixirRuntime:
     def before_call_backward(self, call: BackwardCall) -> None:
         """The first gradient reached one forward call's outputs: pin its chunks for its backward."""
         self._drop_recompute_pins()
-        self._queue_finish()
+        self._begin_backward()
         self.cache.acquire(call.state.public_ids)
         if self.timeline_recorder is not None:
             self.timeline_recorder.acquired("backward", call.state.name)
@@ -265,7 +268,7 @@ class ElixirRuntime:
         """Post-accumulate-grad hook: move the gradient into its chunk and reduce when complete."""
         with record_function("Elixir::post_accumulate_grad"):
             self._drop_recompute_pins()
-            self._queue_finish()
+            self._begin_backward()
             chunk, slot = self._where[id(param)]
             chunk.add_grad(slot, param.grad)
             param.grad = None
@@ -280,33 +283,64 @@ class ElixirRuntime:
         """Start reduce-scatters in the fixed order while the next chunk in it is complete."""
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].grads_complete:
-            self._start_reduce(order[self._next_reduce])
-            self._next_reduce += 1
+            self._launch_next_reduce()
+
+    def _launch_next_reduce(self) -> None:
+        """Start the next reduce-scatter in the order; retire the oldest beyond ``REDUCE_BUFFERS`` in flight.
+
+        [Note: reductions in flight]
+        A chunk holds a full-size gradient buffer from its first gradient until its reduction is
+        retired. Retiring each one only at the end of backward would leave every rank holding the
+        whole model's gradient there; retiring the oldest once ``REDUCE_BUFFERS`` are in flight keeps
+        that many buffers waiting on the network while later chunks are computed (FSDP2 keeps one by default).
+        Retiring waits for the collective: on a GPU the compute stream waits, and for an offloaded
+        chunk the host waits for its shard to land. Retiring mid-backward is the end-of-backward
+        retirement moved earlier: the gathered gradients were flushed when backward began
+        (``_begin_backward``), and a retired chunk gets no more gradients in this backward (each
+        parameter's gradient arrives once).
+        """
+        self._start_reduce(self._reduce_order[self._next_reduce])
+        self._next_reduce += 1
+        while self._next_reduce - self._next_retire > REDUCE_BUFFERS:
+            self._retire_reduce()
 
     def _start_reduce(self, chunk: Chunk) -> None:
         """Reduce-scatter; an offloaded chunk on a GPU also starts copying its shard to the host."""
         stream = self.offload.copy_stream if chunk.offloaded else None
         chunk.start_reduce(stream, accumulate=stream is not None and self._accumulates(chunk))
 
-    def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
+    def _retire_reduce(self) -> None:
+        """Finish the oldest reduction in flight: its shard holds this backward's gradient, its buffers go."""
+        chunk = self._reduce_order[self._next_retire]
+        chunk.finish_reduce(accumulate=self._accumulates(chunk))
+        self._grad_valid[chunk.index] = True
+        self._publish_grad(chunk)
+        chunk.reset_grad_tracking()
+        self._next_retire += 1
+
+    def _begin_backward(self) -> None:
+        """The first event of a backward: queue its end, and keep changes to gathered gradients first.
+
+        In-place changes to gradients gathered before this backward (``AccessGuard.flush_grads``)
+        belong in the shards before its reductions, which may finish during backward, write or add
+        to them ([Note: reductions in flight]).
+        """
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        self.access.flush_grads()
+        Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left (missing gradients count as zero), publish shards."""
         with record_function("Elixir::finish_backward"):
             self._callback_queued = False
             self._drop_recompute_pins()
-            self.access.flush_grads()
-            for chunk in self._reduce_order[self._next_reduce:]:
-                self._start_reduce(chunk)
-            for chunk in self._reduce_order:
-                chunk.finish_reduce(accumulate=self._accumulates(chunk))
-                self._grad_valid[chunk.index] = True
-                self._publish_grad(chunk)
-                chunk.reset_grad_tracking()
-            self._next_reduce = 0
+            while self._next_reduce < len(self._reduce_order):
+                self._launch_next_reduce()
+            while self._next_retire < self._next_reduce:
+                self._retire_reduce()
+            self._next_reduce = self._next_retire = 0
             self._release_backward_calls()
             self.access.release_sticky()
             self.cache.shrink()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_elixir.plan import REDUCE_BUFFERS
+
 MiB = 1 << 20
 
 # Element sizes by dtype name, so the search needs no torch import.
@@ -54,8 +56,9 @@ class SearchOptions:
     """Fragmentation margin as a fraction of the predicted peak (caching allocator slack)."""
     margin_bytes: int = 256 * MiB
     """Fixed workspace margin (kernels' workspaces, communicator buffers)."""
-    reduce_buffers: int = 2
-    """Full-chunk gradient buffers alive at once while chunks are reduce-scattered."""
+    reduce_buffers: int = REDUCE_BUFFERS
+    """Full-chunk gradient buffers budgeted for the reduce-scatters in flight (the runtime keeps at most
+    ``plan.REDUCE_BUFFERS`` in flight)."""
     min_chunk_numel: int = 1 << 20
     """Smallest chunk capacity considered (capped at the model's size): tiny chunks pay a
     collective launch each."""

@@ -15,16 +15,19 @@ peak. They differ where the runtime holds less than the bound, or more:
 - optimizer state is counted for trained elements only: torch creates none for padding, for frozen
   parameters or for the part of a parameter another rank owns;
 - in backward, each trained chunk holds a full-size gradient buffer from its first gradient, and a
-  shard-size reduce-scatter output once its reduction starts, both until the end of that
-  micro-batch's backward (the runtime finishes every reduction there). ``MemoryBreakdown`` counts
-  ``reduce_buffers`` full-size buffers instead.
+  shard-size reduce-scatter output once its reduction starts, both until the reduction is retired:
+  when the ``REDUCE_BUFFERS``-th chunk after it in the reduce order starts ([Note: reductions in
+  flight] in runtime/runtime.py), else at the end of backward. ``MemoryBreakdown`` counts
+  ``reduce_buffers`` full-size buffers instead, which is short of the peak: the chunks in flight
+  also hold their outputs, and chunks whose gradients have begun to arrive (or that wait for an
+  earlier chunk in the order) hold their buffers besides those in flight.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Union
 
-from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, slot_offsets
+from lightning_elixir.plan import CACHE_ALL, REDUCE_BUFFERS, ElixirPlan, PlanError, slot_offsets
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.evaluate import plan_layout
 from lightning_elixir.search.layout import Layout, access_chunks, grad_positions, reduce_positions
@@ -135,21 +138,34 @@ def _trained_shard_numels(layout: Layout, model: ModelProfile, rank: int) -> lis
 def _reduce_buffer_bytes(layout: Layout, model: ModelProfile, per: StateBytes) -> list[int]:
     """Per access of a micro-batch, the gradient buffers held when it starts ([Note: timeline versus
     MemoryBreakdown]): each trained chunk's full buffer after its first gradient, and its reduce-scatter
-    output after its reduction starts."""
+    output after its reduction starts, until the reduction is retired."""
     first = [len(model.accesses)] * len(layout.chunks)
     for name, position in grad_positions(model).items():
         c = layout.chunk_of[name]
         first[c] = min(first[c], position)
+    reduced = reduce_positions(layout, model)
     held = [0] * (len(model.accesses) + 1)
-    for c, reduced in enumerate(reduce_positions(layout, model)):
-        if reduced is None:
-            continue
-        numel = layout.chunks[c].numel
-        held[first[c] + 1] += numel * per.reduce
-        held[reduced + 1] += numel // layout.world_size * per.reduce
+    for c, retired in _retire_positions(layout, reduced).items():
+        full = layout.chunks[c].numel * per.reduce
+        output = layout.chunks[c].numel // layout.world_size * per.reduce
+        held[first[c] + 1] += full
+        held[reduced[c] + 1] += output
+        if retired is not None:
+            held[retired + 1] -= full + output
     for p in range(1, len(held)):
         held[p] += held[p - 1]
     return held
+
+
+def _retire_positions(layout: Layout, reduced: tuple[Optional[int], ...]) -> dict[int, Optional[int]]:
+    """Per trained chunk, the access after which its reduction is retired (None: at the end of backward).
+
+    The runtime reduces in ``reduce_positions``' order and retires the oldest reduction once
+    ``REDUCE_BUFFERS`` later ones have started: when the one that many places after it starts.
+    """
+    order = [c for c in (*reversed(layout.public), *layout.private) if reduced[c] is not None]
+    later = order[REDUCE_BUFFERS:] + [None] * min(REDUCE_BUFFERS, len(order))
+    return {c: None if after is None else reduced[after] for c, after in zip(order, later)}
 
 
 def _live_before(model: ModelProfile) -> list[int]:

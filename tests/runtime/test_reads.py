@@ -195,6 +195,31 @@ def test_module_zero_grad_clears_the_sharded_gradients():
     assert sum(v.grad is not None for v in views.values()) == len(views) - 2
 
 
+def test_a_gradient_changed_in_the_step_keeps_the_change_under_the_next_micro_batch():
+    """Reductions retire during backward (one chunk per parameter: more chunks than may be in flight):
+    a gradient read and changed in the step, before the next backward, reaches the shard first."""
+    torch.manual_seed(0)
+    model = TiedHead()
+    reference = copy.deepcopy(model)
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, 1))
+    shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1))
+    first, second = (torch.randint(16, (2, 6), generator=torch.Generator().manual_seed(s)) for s in range(2))
+    for m in (model, reference):
+        m(first).sum().backward()
+    for p in reference.parameters():
+        p.grad.mul_(0.5)
+    reference(second).sum().backward()
+    with runtime.step_region():  # as the strategy's training_step: its loss is backpropagated after it
+        runtime.begin_iteration()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+        loss = model(second).sum()
+    loss.backward()
+    with runtime.gathered():
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, ref.grad, msg=lambda m: f"{name}: {m}")
+
+
 def test_copies_and_pickles_of_chunked_parameters_are_plain_values():
     import copy as copy_module
     import io
