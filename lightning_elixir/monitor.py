@@ -301,13 +301,16 @@ def _log_figure(trainer: Any, directory: Optional[str], predicted: Optional[Memo
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    if not measured.labels:  # no access acquired a public chunk (every chunk private): nothing to draw
+        return
     fig, ax = plt.subplots(figsize=(10, 4.5))
     positions = list(range(len(measured.labels)))
     top = max(measured["runtime"]) / MiB
     title = "Elixir: device memory per rank over one training step"
-    if predicted is not None:
+    if predicted is not None and predicted.labels:
+        # Its own positions: a step with several backward passes (manual optimization) has more than predicted.
         kinds = [k for k in ("params", "grads", "optimizer", "activations") if predicted[k] is not None]
-        ax.stackplot(positions, *[[b / MiB for b in predicted[k]] for k in kinds], alpha=0.45,
+        ax.stackplot(range(len(predicted.labels)), *[[b / MiB for b in predicted[k]] for k in kinds], alpha=0.45,
                      labels=[f"predicted {k}" for k in kinds])
         top = max(top, max(predicted["total"] or predicted["runtime"]) / MiB)
         if predicted.budget_bytes and predicted.budget_bytes / MiB <= 2 * top:
