@@ -189,22 +189,14 @@ class Chunk:
 
     def gather_to_first(self, shard: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """``gather_full`` on rank 0 only (None elsewhere): for saving, where no other rank needs the values
-        and none should hold more than its shard. ``out``: rank 0's chunk-sized result, whose first shard
-        may already be ``shard`` (see ``first_shard_buffer``)."""
+        and none should hold more than its shard. ``out``: rank 0's chunk-sized result (a new tensor when
+        None), whose first shard may already be ``shard``."""
         self.settle()
         device = self.full.device
         if self.group.rank == 0 and out is None:
             out = torch.empty(self.numel, dtype=shard.dtype, device=device)
         collectives.gather_to_first(out, shard.to(device), self.group, chunk=self.index)
         return out
-
-    def first_shard_buffer(self, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """A zeroed shard-sized buffer to fill and pass to ``gather_to_first``, and its ``out``: on rank 0
-        the shard is the start of the chunk-sized result, so rank 0 holds one chunk, not one and a shard."""
-        if self.group.rank != 0:
-            return torch.zeros(self.shard_numel, dtype=dtype, device=self.master.device), None
-        out = torch.zeros(self.numel, dtype=dtype, device=self.full.device)
-        return out[:self.shard_numel], out
 
     def write_back_grad(self, full: torch.Tensor) -> None:
         """Keep in-place changes to a gathered gradient (manual clipping) in this rank's shard."""

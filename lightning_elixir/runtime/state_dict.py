@@ -202,12 +202,13 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
     rank gathers the model if it holds deferred parameters, an optimizer's state if it holds that
     optimizer's. Values on rank 0; the other ranks get None for them."""
     wanted = {d.source: d for d in deferred_in(checkpoint)}
+    buffers = _GatherBuffers(runtime)
     if any(source[0] == "param" for source in wanted):
         for chunk in runtime.chunks:
             with runtime.offload.resident(chunk):
-                full = chunk.gather_to_first(chunk.master)
+                full = chunk.gather_to_first(chunk.master, buffers.out(chunk, chunk.master.dtype))
             yield _gathered(full, [(wanted.get(("param", id(slot.param))), slot) for slot in chunk.slots])
-            del full  # before the next gather: one gathered chunk at a time
+            del full  # its buffer is the next gather's: the values are consumed before that
     for index, optimizer in enumerate(optimizers):
         if not any(source[:2] == ("optimizer", index) for source in wanted):
             continue
@@ -215,14 +216,44 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
         for part in layout:
             with runtime.offload.resident(part.chunk):
                 for key in part.keys:
-                    sample = sharded["state"][part.members[0][0]][key]
-                    shard, out = part.chunk.first_shard_buffer(sample.dtype)
+                    dtype = sharded["state"][part.members[0][0]][key].dtype
+                    out = buffers.out(part.chunk, dtype)
+                    shard = out[:part.chunk.shard_numel] if out is not None else buffers.shard(part.chunk, dtype)
+                    shard.zero_()  # rank 0's shard is the start of its result
                     _fill_shard(shard, part.chunk, part.members, sharded["state"], key)
                     full = part.chunk.gather_to_first(shard, out)
                     del shard, out
                     yield _gathered(full, [(wanted.get(("optimizer", index, i, key)), slot)
                                            for i, slot, _ in part.members])
                     del full
+
+
+class _GatherBuffers:
+    """The buffers of one save, reused by every gather: rank 0's results (one per dtype, as large as the
+    largest chunk) and the other ranks' optimizer-state shards. One allocation each, so that the save
+    adds one chunk to rank 0's resident set even under glibc's default allocator, which keeps
+    chunk-sized blocks resident once freed (its mmap threshold rises to the size of a freed block)
+    and did not reuse them from one gather to the next."""
+
+    def __init__(self, runtime) -> None:
+        self.rank0 = runtime.group.rank == 0
+        self.numel = max((c.numel for c in runtime.chunks), default=0)
+        self.shard_numel = max((c.shard_numel for c in runtime.chunks), default=0)
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def out(self, chunk: Chunk, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A chunk-sized result for ``gather_to_first`` on rank 0; None elsewhere."""
+        return self._buffer("out", self.numel, dtype, chunk.full.device)[:chunk.numel] if self.rank0 else None
+
+    def shard(self, chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
+        """A shard-sized buffer where the chunk's sharded state lives (the other ranks' optimizer state)."""
+        return self._buffer("shard", self.shard_numel, dtype, chunk.master.device)[:chunk.shard_numel]
+
+    def _buffer(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (kind, dtype, device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self.buffers[key]
 
 
 def _gathered(full: Optional[torch.Tensor], slots: list[tuple[Optional[DeferredTensor], Slot]]) -> Gathered:
