@@ -96,10 +96,12 @@ def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]],
 
 
 def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, device: torch.device,
-                 policy: PrecisionPolicy, full_precision: Iterable[str] = ()) -> list[Chunk]:
+                 policy: PrecisionPolicy, full_precision: Iterable[str] = (), values: bool = True) -> list[Chunk]:
     """Create every chunk, materialise and shard its parameters, and leave it released.
 
-    A chunk holding a parameter named in ``full_precision`` computes in the master dtype.
+    A chunk holding a parameter named in ``full_precision`` computes in the master dtype. With
+    ``values=False`` the parameters' values are neither read nor initialised: the chunks start at
+    zero and the caller fills the master shards (re-chunking, runtime/replan.py).
     """
     full_precision = set(full_precision)
     _replace_meta_params(module, device)
@@ -115,7 +117,11 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         state_device = device if spec.placement == "device" else torch.device("cpu")
         chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
                             state_device=state_device, pin_memory=device.type == "cuda"))
-    _materialize(module, chunks, group, policy.master_dtype)
+    if values:
+        _materialize(module, chunks, group, policy.master_dtype)
+    else:
+        for chunk in chunks:
+            chunk.bind_views()
     for chunk in chunks:
         chunk.release()
     return chunks

@@ -51,13 +51,15 @@ class ElixirRuntime:
             follows a training forward, as DDP does by default (BatchNorm running statistics).
         nvme_path: a directory on an NVMe drive for the chunks the plan places on "nvme".
         nvme_buffers: host page buffers NVMe records are paged through.
+        values: False to leave the parameters' values unread and the chunks at zero, for a caller
+            that fills the master shards itself (re-chunking, ``runtime.replan.switch_plan``).
     """
 
     def __init__(self, module: nn.Module, plan: Optional[ElixirPlan] = None, *, device: Union[str, torch.device] = "cpu",
                  policy: Optional[PrecisionPolicy] = None, compute_dtype: Optional[torch.dtype] = None,
                  master_dtype: Optional[torch.dtype] = None, group: Optional[Group] = None,
                  private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True,
-                 nvme_path: Optional[str] = None, nvme_buffers: int = 3) -> None:
+                 nvme_path: Optional[str] = None, nvme_buffers: int = 3, values: bool = True) -> None:
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
@@ -67,17 +69,19 @@ class ElixirRuntime:
             policy = PrecisionPolicy(compute, master_dtype or compute)
         self.policy = dataclasses.replace(policy, reduce_in_fp32=policy.reduce_in_fp32 and self.plan.reduce_in_fp32)
         full_precision = self.policy.full_precision_params(module)
-        specs = resolve_specs(module, self.plan, self.group.world_size, private_params, full_precision)
+        self.private_params = tuple(private_params)
+        specs = resolve_specs(module, self.plan, self.group.world_size, self.private_params, full_precision)
         check_nvme_path_given(specs, nvme_path)  # before any work
         materialize_buffers(module, self.device)
-        self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision)
+        self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values)
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
         for chunk in self.chunks:
             chunk.clock = self.clock
         self.offload = OffloadEngine(self.chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
         self._buffers = [b for b in module.buffers()]
-        layout.broadcast_buffers(self._buffers, self.group)
+        if values:  # re-chunking keeps each rank's buffers as they are
+            layout.broadcast_buffers(self._buffers, self.group)
         self.broadcast_buffers = broadcast_buffers
         self._sync_buffers_next = broadcast_buffers
         self.public = [c for c in self.chunks if not c.private]
@@ -531,6 +535,24 @@ class ElixirRuntime:
                 handle.remove()
         for handle in self.handles:
             handle.remove()
+
+    def detach_module(self) -> None:
+        """Drop the chunks without gathering: the parameters become placeholders of their shape and
+        dtype (one element, expanded), the hooks and the NVMe files go. For re-chunking, which has
+        copied out what it keeps (runtime/replan.py); the module holds no values afterwards."""
+        self.release_all()
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                unchunk_parameter(slot.param)
+                one = torch.empty(1, dtype=slot.dtype, device=self.device)
+                slot.param.data = one.expand(slot.shape) if len(slot.shape) else one[0]
+                slot.param.grad = None
+        self.remove_hooks()
+        self.offload.close()
+        self.chunks, self.public, self.private = [], [], []
+        self._where.clear()
+        self._views.clear()
+        self.optimizers = []
 
     def restore_module(self) -> None:
         """Give the module plain parameters with the trained values on every rank; remove the hooks.

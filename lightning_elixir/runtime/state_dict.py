@@ -297,8 +297,14 @@ def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[
         lo = chunk.shard_begin + begin - slot.offset
         state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if is_per_element(k, v, slot.shape) else v)
                          for k, v in param_state.items()}
+    load_own_optimizer_state(runtime, optimizer, state, full["param_groups"])
+
+
+def load_own_optimizer_state(runtime, optimizer: Optimizer, state: Mapping[int, Mapping[str, Any]],
+                             param_groups: list[dict[str, Any]]) -> None:
+    """Load this rank's optimizer state (per-element entries shaped as its shard views) into ``optimizer``."""
     runtime.offload.settle()
-    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+    optimizer.load_state_dict({"state": dict(state), "param_groups": param_groups})
     for chunk in runtime.offload.nvme:  # the loaded state goes into the chunks' NVMe records
         with runtime.offload.resident(chunk, write=True, bind_state=False):
             pass
