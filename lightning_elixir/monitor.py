@@ -23,23 +23,33 @@ figures only where the logger can take them):
   everywhere the bytes the runtime holds between steps), host memory (pinned on GPUs) and NVMe
   bytes of offloaded state, and the step time broken
   down into compute and the host's waits for gathers, reduce-scatters, offloaded updates and the
-  optimizer (runtime/phases.py), next to the search's prediction (``elixir/predicted_time/...``).
+  optimizer (runtime/phases.py), next to the search's prediction (``elixir/predicted_time/...``);
+- after ``calibration_steps`` training steps (the first, which learns the access order, not
+  counted): the measured against the predicted step (``elixir/calibration/...``), and what the
+  self-correction concluded ([Note: self-correction] in search/calibrate.py): the plan kept, or
+  switched to another in place (``ElixirStrategy(replan=False)`` turns this off; a plan given by
+  the user is never changed). After a switch the plan file, the timelines and the predictions
+  logged from then on are the new plan's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import statistics
 import time
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
 from lightning_elixir.runtime.phases import PHASES
+from lightning_elixir.search.calibrate import Decision, StepMeasurement, reconsider
 from lightning_elixir.search.report import format_bytes, format_ms
 from lightning_elixir.search.timeline import predict_timeline
 from lightning_elixir.timeline import KINDS, MemoryTimeline
@@ -63,20 +73,38 @@ class ElixirMonitor(Callback):
         save_plan: Write the plan as ``elixir_plan.json`` and the search report as ``elixir_report.txt``
             into the first logger's directory.
         figure: Log a figure of the predicted and measured timelines (needs matplotlib).
+        calibration_steps: Training steps, after the first, whose median is compared with the
+            prediction; the self-correction decides after them (with ``ElixirStrategy(replan=True)``,
+            the default, and plan="auto"). More steps: a steadier measurement, a later switch.
+        replan_threshold: How far (a fraction) the measured step may be from the prediction before the
+            cost model is calibrated and the search runs again.
+        replan_margin: How much faster (a fraction) the calibrated search's plan must be predicted
+            than the running one for a switch.
 
     See [Note: the planning callback] for what it logs.
     """
 
     def __init__(self, timeline_step: int = 3, log_every_n_steps: Optional[int] = None, save_plan: bool = True,
-                 figure: bool = True) -> None:
+                 figure: bool = True, calibration_steps: int = 4, replan_threshold: float = 0.15,
+                 replan_margin: float = 0.1) -> None:
         if not isinstance(timeline_step, int) or timeline_step < 1:
             raise ValueError(f"timeline_step must be a positive int (an optimizer step), got {timeline_step!r}")
+        if not isinstance(calibration_steps, int) or calibration_steps < 1:
+            raise ValueError(f"calibration_steps must be a positive int, got {calibration_steps!r}")
+        for name, value in (("replan_threshold", replan_threshold), ("replan_margin", replan_margin)):
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
             raise ValueError(f"log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
         self.timeline_step = timeline_step
         self.log_every_n_steps = log_every_n_steps
         self.save_plan = save_plan
         self.figure = figure
+        self.calibration_steps = calibration_steps
+        self.replan_threshold, self.replan_margin = float(replan_threshold), float(replan_margin)
+        self.decision: Optional[Decision] = None
+        """What the self-correction concluded (None until it ran)."""
+        self._samples: list[list[float]] = []
         self.planning: Optional[PlanningResult] = None
         self.predicted: Optional[MemoryTimeline] = None
         self.measured: Optional[MemoryTimeline] = None
@@ -190,6 +218,40 @@ class ElixirMonitor(Callback):
             metrics = _step_metrics(runtime, step_s, phases, self._current_planning(trainer))
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        if self.decision is None and getattr(trainer.strategy, "may_replan", False) and trainer.global_step > 1:
+            peak = torch.cuda.max_memory_allocated(runtime.device) if runtime.device.type == "cuda" else -1.0
+            self._samples.append([step_s, *(phases[p] for p in PHASES), float(peak)])
+            if len(self._samples) == self.calibration_steps:
+                self._reconsider(trainer)
+
+    # ---- self-correction ---------------------------------------------------------------------------
+
+    def _reconsider(self, trainer: Any) -> None:
+        """Compare the measured steps with the prediction; calibrate, search again and maybe switch (every rank)."""
+        strategy, planning = trainer.strategy, self._current_planning(trainer)
+        measured = _slowest_rank(self._samples, strategy.runtime)
+        self._samples = []
+        decision = reconsider(strategy.runtime.plan, planning.model_profile, planning.hardware_profile,
+                              planning.budget_bytes, planning.options, measured, self.replan_threshold,
+                              self.replan_margin)
+        plan = strategy.broadcast(decision.plan)  # rank 0's conclusion, on every rank
+        decision = dataclasses.replace(decision, plan=plan)
+        self.decision = decision
+        rank_zero_info(f"Elixir: after {self.calibration_steps} steps, {decision.reason}")
+        if plan is not None:
+            calibration = decision.calibration
+            assert calibration is not None and decision.report is not None
+            strategy.switch_plan(plan)
+            self._recorder = None
+            self.planning = strategy.planning = dataclasses.replace(
+                planning, plan=plan, report=decision.report, model_profile=calibration.model,
+                hardware_profile=calibration.hardware)
+            self._log_plan(trainer)
+        if trainer.is_global_zero:
+            metrics = _calibration_metrics(decision)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+                _log_text(logger, "elixir/calibration", decision.reason)
 
     def _log_measured(self, trainer: Any) -> None:
         if not trainer.is_global_zero or self.measured is None:
@@ -251,6 +313,38 @@ def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
                         "elixir/predicted_time/exposed_comm_ms": max(c.forward_backward_s - c.compute_s, 0.0) * 1e3,
                         "elixir/predicted_time/optimizer_ms": c.device_optimizer_s * 1e3,
                         "elixir/predicted_time/exposed_offload_ms": c.exposed_host_s * 1e3})
+    return metrics
+
+
+def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
+    """The median of each measured column over the steps, the largest over ranks."""
+    medians = [statistics.median(column) for column in zip(*samples)]
+    if runtime.group.world_size > 1:
+        values = torch.tensor(medians, dtype=torch.float64, device=runtime.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=runtime.group.pg)
+        medians = values.tolist()
+    step_s, *waits, peak = medians
+    phases = dict(zip(PHASES, waits))
+    return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
+                           offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
+                           peak_bytes=int(peak) if peak >= 0 else None)
+
+
+def _calibration_metrics(decision: Decision) -> dict[str, float]:
+    """The self-correction in numbers: measured against predicted, the fitted factors, whether it switched."""
+    metrics = {"elixir/calibration/measured_step_ms": decision.measured.step_s * 1e3,
+               "elixir/calibration/predicted_step_ms": decision.predicted_s * 1e3,
+               "elixir/calibration/measured_over_predicted": decision.error,
+               "elixir/calibration/switched": float(decision.plan is not None)}
+    if decision.measured.peak_bytes is not None:
+        metrics["elixir/calibration/measured_peak_mib"] = decision.measured.peak_bytes / MiB
+        metrics["elixir/calibration/predicted_peak_mib"] = decision.predicted_peak_bytes / MiB
+    calibration = decision.calibration
+    if calibration is not None:
+        metrics.update({"elixir/calibration/compute_scale": calibration.compute_scale,
+                        "elixir/calibration/bandwidth_scale": calibration.bandwidth_scale,
+                        "elixir/calibration/optimizer_scale": calibration.optimizer_scale,
+                        "elixir/calibration/calibrated_step_ms": calibration.after.step_s * 1e3})
     return metrics
 
 

@@ -45,6 +45,7 @@ from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
+from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
 
@@ -128,6 +129,11 @@ class ElixirStrategy(ParallelStrategy):
             on each rank's data that runs a module on one rank only). Default: 600 s, or ``timeout``
             when it is set. Raise it if a rank can legitimately be late by more (rank-only work in a
             callback). On NCCL the process group's ``timeout`` applies instead.
+        replan: with plan="auto", compare the first steps with the prediction and, when they differ,
+            calibrate the cost model from them and search again; switch to a plan predicted clearly
+            faster, in place, once per run ([Note: self-correction] in search/calibrate.py; the
+            ElixirMonitor's ``calibration_steps`` say when). False: run the first plan throughout.
+            A plan given by the user is never changed.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -151,7 +157,7 @@ class ElixirStrategy(ParallelStrategy):
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
                  state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
-                 accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 replan: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
@@ -200,11 +206,13 @@ class ElixirStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
-        for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown)):
+        for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
+                            ("replan", replan)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
+        self.replan = replan
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
         self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
@@ -313,6 +321,18 @@ class ElixirStrategy(ParallelStrategy):
                              group=self._group(), private_params=self.private_params,
                              grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
                              nvme_path=self.nvme_path)
+
+    @property
+    def may_replan(self) -> bool:
+        """Whether the running plan may be replaced after the first steps: plan="auto" with ``replan``."""
+        return self.replan and self.plan == "auto" and self.planning is not None and self.planning.report is not None
+
+    def switch_plan(self, plan: ElixirPlan) -> None:
+        """Re-chunk the running model under ``plan``, keeping its values and optimizer state (every rank,
+        between optimizer steps; [Note: switching plans] in runtime/replan.py)."""
+        assert self.runtime is not None
+        self.runtime = switch_plan(self.runtime, plan, grow_cache=True)
+        self.precision_plugin.runtime = self.runtime
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):

@@ -149,25 +149,27 @@ def fit_here(run: Path, *args, **kwargs) -> Path:
     return run
 
 
-def fit_on_ranks(world_size: int, fits: list[tuple]) -> None:
-    """Runs ``fit(run, world_size, *rest)`` for each ``(run, *rest)`` in order, on ``world_size`` gloo ranks.
+def fit_on_ranks(world_size: int, fits: list[tuple], fit_fn=None) -> None:
+    """Runs ``fit_fn(run, world_size, *rest)`` (default ``fit``) for each ``(run, *rest)`` in order, on
+    ``world_size`` gloo ranks.
 
-    The ranks are forked from multiprocessing's fork server, which imports this module (and so torch
-    and Lightning) once, rather than once per rank: on a machine with fewer cores than ranks, the
-    imports would take most of the time."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-    mp.start_processes(_fits_on_rank, args=(world_size, free_port(), fits), nprocs=world_size,
+    The ranks are forked from multiprocessing's fork server, which imports this module and ``fit_fn``'s
+    (and so torch and Lightning) once, rather than once per rank: on a machine with fewer cores than
+    ranks, the imports would take most of the time."""
+    fit_fn = fit_fn or fit
+    multiprocessing.get_context("forkserver").set_forkserver_preload(sorted({__name__, fit_fn.__module__}))
+    mp.start_processes(_fits_on_rank, args=(world_size, free_port(), fits, fit_fn), nprocs=world_size,
                        start_method="forkserver")
 
 
-def _fits_on_rank(rank: int, world_size: int, port: int, fits: list[tuple]) -> None:
+def _fits_on_rank(rank: int, world_size: int, port: int, fits: list[tuple], fit_fn) -> None:
     """One rank of fit_on_ranks: joins the group, then fits; Lightning joins the group it finds."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
         for run, *rest in fits:
-            fit(run, world_size, *rest)
+            fit_fn(run, world_size, *rest)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,260 @@
+"""Self-correction: fit the cost model to a few measured steps, and decide whether another plan is faster.
+
+[Note: self-correction]
+The search predicts from a profile measured in seconds before the run. After a short warm-up the
+run knows the truth for the plan it runs: the step time, and in it the host's waits for gathers and
+reduce-scatters, for offloaded updates and the optimizer (runtime/phases.py). ``reconsider``
+compares that with the prediction. Within ``threshold`` it changes nothing. Beyond it, ``calibrate``
+fits three factors so that the running plan's prediction matches what was measured:
+
+- compute: measured compute (the step less every wait and the optimizer) over the predicted
+  compute plus contention; every access's compute time is scaled by it (the roofline misses
+  kernel efficiency, dispatch and hook overhead; one factor is what one plan's step identifies);
+- collectives: the bandwidth factor whose predicted exposed wait (forward/backward less compute
+  and contention) matches the measured waits, found by bisection on the log of the factor, the
+  one nearest 1 within tolerance (a wait that is all hidden identifies only a lower bound, so it
+  moves no further than it must); bandwidths and latency move together;
+- updates: the measured optimizer step and waits for offloaded updates over the predicted device
+  optimizer and exposed host work (on a CPU-only machine the host updates run inside the step);
+  both optimizer speeds are scaled by it.
+
+With a measured device peak (CUDA), the activations are scaled so that the predicted peak
+matches it. The search then runs again on the calibrated profiles and the budget of the first
+search. It switches only when the new winner is a different plan predicted faster than the running
+plan, under the same calibrated model, by ``margin``: both predictions carry the same errors, so
+the comparison is fairer than either number, and a small gain is not worth the risk of a wrong one.
+The factors are clamped to [1/100, 100].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from lightning_elixir.plan import ElixirPlan
+from lightning_elixir.profile.types import HardwareProfile, ModelProfile
+from lightning_elixir.search.cost import CostBreakdown
+from lightning_elixir.search.errors import NoPlanFitsError
+from lightning_elixir.search.evaluate import evaluate_plan
+from lightning_elixir.search.options import SearchOptions
+from lightning_elixir.search.report import SearchReport, format_ms
+from lightning_elixir.search.search import search
+
+FACTOR_LIMIT = 100.0
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What a few real steps of one plan took (median step of the slowest rank), in seconds."""
+
+    step_s: float
+    """Wall time of one optimizer step."""
+    gather_wait_s: float = 0.0
+    """Host waits for all-gathers."""
+    reduce_wait_s: float = 0.0
+    """Host waits for reduce-scatters."""
+    offload_wait_s: float = 0.0
+    """Host waits for offloaded updates."""
+    optimizer_s: float = 0.0
+    """The optimizer step."""
+    peak_bytes: Optional[int] = None
+    """Device memory peak of a step (the CUDA allocator's), when measured."""
+
+    def __post_init__(self) -> None:
+        times = (self.step_s, self.gather_wait_s, self.reduce_wait_s, self.offload_wait_s, self.optimizer_s)
+        if not all(math.isfinite(t) and t >= 0 for t in times) or self.step_s <= 0:
+            raise ValueError(f"a step measurement needs finite times >= 0 and a positive step, got {times}")
+
+    @property
+    def wait_s(self) -> float:
+        """Exposed communication: the waits for gathers and reduce-scatters."""
+        return self.gather_wait_s + self.reduce_wait_s
+
+    @property
+    def compute_s(self) -> float:
+        """The step less every wait and the optimizer (what the step spent computing, hooks included)."""
+        return max(self.step_s - self.wait_s - self.offload_wait_s - self.optimizer_s, 0.0)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Profiles corrected so that the running plan's prediction matches a measurement."""
+
+    model: ModelProfile
+    hardware: HardwareProfile
+    compute_scale: float
+    """Measured over predicted compute (every access's compute time is multiplied by it)."""
+    bandwidth_scale: float
+    """Collective bandwidths are multiplied by it (latency divided)."""
+    optimizer_scale: float
+    """Measured over predicted optimizer and offloaded-update time (both optimizer speeds are divided by it)."""
+    activation_scale: float
+    """Activation bytes are multiplied by it (1 without a measured peak)."""
+    before: CostBreakdown
+    """The running plan, predicted with the profiles planning used."""
+    after: CostBreakdown
+    """The running plan, predicted with the calibrated profiles."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``reconsider`` concluded."""
+
+    measured: StepMeasurement
+    predicted_s: float
+    """The running plan's predicted step (planning's profiles)."""
+    predicted_peak_bytes: int
+    """The running plan's predicted device peak."""
+    calibration: Optional[Calibration]
+    """None when the prediction was within the threshold."""
+    plan: Optional[ElixirPlan] = None
+    """The plan to switch to; None to keep the running one."""
+    report: Optional[SearchReport] = None
+    """The search on the calibrated profiles (None when it did not run)."""
+    reason: str = ""
+    """One line: why it switches or keeps the plan."""
+
+    @property
+    def error(self) -> float:
+        """Measured over predicted step time."""
+        return self.measured.step_s / self.predicted_s if self.predicted_s > 0 else float("inf")
+
+
+def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, options: SearchOptions,
+              measured: StepMeasurement, rounds: int = 3) -> Calibration:
+    """Fit compute, collective and update factors so that ``plan`` is predicted as measured ([Note: self-correction]).
+
+    The factors interact (faster collectives move when offloaded updates must be done), so they are
+    fitted in turn for a few ``rounds``, each from the original profiles.
+    """
+    before = evaluate_plan(plan, model, hardware, options)
+    activation_scale = 1.0
+    if measured.peak_bytes is not None and before.memory.activation_bytes > 0:
+        rest = before.memory.peak_bytes - before.memory.activation_bytes
+        activation_scale = _clamp(_ratio(measured.peak_bytes - rest, before.memory.activation_bytes))
+        model = scale_activations(model, activation_scale)
+    compute, bandwidth, updates = 1.0, 1.0, 1.0
+
+    def profiles(compute: float, bandwidth: float, updates: float) -> tuple[ModelProfile, HardwareProfile]:
+        return scale_compute(model, compute), scale_updates(scale_collectives(hardware, bandwidth), updates)
+
+    def wait_at(scale: float) -> float:
+        c = evaluate_plan(plan, *profiles(compute, scale, updates), options).cost
+        return max(c.forward_backward_s - c.compute_s - c.contention_s, 0.0)
+
+    for _ in range(rounds):
+        cost = evaluate_plan(plan, *profiles(compute, bandwidth, updates), options).cost
+        compute = _clamp(compute * _ratio(measured.compute_s, cost.compute_s + cost.contention_s))
+        updates_s = cost.device_optimizer_s + cost.exposed_host_s + cost.exposed_copy_s
+        updates = _clamp(updates * _ratio(measured.optimizer_s + measured.offload_wait_s, updates_s))
+        bandwidth = _fit_scale(wait_at, measured.wait_s, tolerance=0.02 * measured.step_s + 1e-4)
+    model, hardware = profiles(compute, bandwidth, updates)
+    after = evaluate_plan(plan, model, hardware, options).cost
+    return Calibration(model, hardware, compute, bandwidth, updates, activation_scale, before.cost, after)
+
+
+def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
+               options: SearchOptions, measured: StepMeasurement, threshold: float = 0.15,
+               margin: float = 0.1) -> Decision:
+    """Compare ``measured`` with ``plan``'s prediction; beyond ``threshold``, calibrate, search again,
+    and name a plan to switch to when one is predicted faster by ``margin`` ([Note: self-correction])."""
+    predicted = evaluate_plan(plan, model, hardware, options)
+    step_s, peak = predicted.cost.step_s, predicted.memory.peak_bytes
+    error = measured.step_s / step_s - 1.0 if step_s > 0 else float("inf")
+    memory_error = 0.0 if measured.peak_bytes is None else measured.peak_bytes / max(peak, 1) - 1.0
+    if abs(error) <= threshold and memory_error <= threshold:
+        return Decision(measured, step_s, peak, None,
+                        reason=f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} "
+                               f"({error:+.0%}, within {threshold:.0%}): keeping the plan")
+    calibration = calibrate(plan, model, hardware, options, measured)
+    factors = (f"calibrated compute x{calibration.compute_scale:.2f}, collectives' bandwidth "
+               f"x{calibration.bandwidth_scale:.2f}, optimizer x{calibration.optimizer_scale:.2f}")
+    start = (f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} ({error:+.0%}); "
+             f"{factors}")
+    try:
+        best, report = search(calibration.model, calibration.hardware, budget_bytes, options)
+    except NoPlanFitsError as err:
+        return Decision(measured, step_s, peak, calibration, reason=f"{start}; no plan fits the calibrated model "
+                        f"({str(err).splitlines()[0]}): keeping the plan")
+    running = calibration.after.step_s
+    if _same_plan(best, plan):
+        reason = f"{start}; the search picks the running plan again: keeping it"
+        return Decision(measured, step_s, peak, calibration, report=report, reason=reason)
+    gain = 1.0 - report.winner.step_s / running if running > 0 else 0.0
+    if gain < margin:
+        reason = (f"{start}; best other plan {format_ms(report.winner.step_s)} vs {format_ms(running)} for the "
+                  f"running one (calibrated), {gain:.0%} faster, under the {margin:.0%} margin: keeping the plan")
+        return Decision(measured, step_s, peak, calibration, report=report, reason=reason)
+    reason = (f"{start}; switching to {report.winner.describe()}: predicted {format_ms(report.winner.step_s)} vs "
+              f"{format_ms(running)} for the running plan (calibrated), {gain:.0%} faster")
+    return Decision(measured, step_s, peak, calibration, plan=best, report=report, reason=reason)
+
+
+def scale_compute(model: ModelProfile, scale: float) -> ModelProfile:
+    """``model`` with every compute time multiplied by ``scale``."""
+    if scale == 1.0:
+        return model
+    accesses = tuple(dataclasses.replace(a, compute_s=a.compute_s * scale) for a in model.accesses)
+    return dataclasses.replace(model, accesses=accesses, forward_compute_s=model.forward_compute_s * scale,
+                               backward_compute_s=model.backward_compute_s * scale)
+
+
+def scale_activations(model: ModelProfile, scale: float) -> ModelProfile:
+    """``model`` with every activation byte count multiplied by ``scale``."""
+    if scale == 1.0:
+        return model
+    accesses = tuple(dataclasses.replace(a, live_bytes=int(a.live_bytes * scale), peak_bytes=int(a.peak_bytes * scale))
+                     for a in model.accesses)
+    return dataclasses.replace(model, accesses=accesses, forward_peak_bytes=int(model.forward_peak_bytes * scale),
+                               backward_peak_bytes=int(model.backward_peak_bytes * scale))
+
+
+def scale_collectives(hardware: HardwareProfile, scale: float) -> HardwareProfile:
+    """``hardware`` with collective bandwidths multiplied by ``scale`` and their latency divided by it."""
+    if scale == 1.0:
+        return hardware
+    return dataclasses.replace(
+        hardware, collective_latency_s=hardware.collective_latency_s / scale,
+        all_gather_bytes_per_s=tuple((b, bw * scale) for b, bw in hardware.all_gather_bytes_per_s),
+        reduce_scatter_bytes_per_s=tuple((b, bw * scale) for b, bw in hardware.reduce_scatter_bytes_per_s))
+
+
+def scale_updates(hardware: HardwareProfile, scale: float) -> HardwareProfile:
+    """``hardware`` with both optimizer speeds divided by ``scale`` (updates take ``scale`` times as long)."""
+    if scale == 1.0:
+        return hardware
+    return dataclasses.replace(hardware, optimizer_device_numel_per_s=hardware.optimizer_device_numel_per_s / scale,
+                               optimizer_cpu_numel_per_s=hardware.optimizer_cpu_numel_per_s / scale)
+
+
+def _fit_scale(predict: Callable[[float], float], target: float, tolerance: float, steps: int = 30) -> float:
+    """The factor nearest 1 whose ``predict`` (non-increasing in it) is within ``tolerance`` of ``target``."""
+    if abs(predict(1.0) - target) <= tolerance:
+        return 1.0
+    faster = predict(1.0) > target  # less wait measured: the factor is above 1
+    limit = FACTOR_LIMIT if faster else 1.0 / FACTOR_LIMIT
+    if (predict(limit) > target + tolerance) if faster else (predict(limit) < target - tolerance):
+        return limit
+    near, far = 0.0, math.log(limit)  # in log space: |near| grows toward far until within tolerance
+    for _ in range(steps):
+        mid = (near + far) / 2
+        value = predict(math.exp(mid))
+        reached = value <= target + tolerance if faster else value >= target - tolerance
+        near, far = (near, mid) if reached else (mid, far)
+    return math.exp(far)
+
+
+def _same_plan(a: ElixirPlan, b: ElixirPlan) -> bool:
+    """Whether two plans run the same way (names aside)."""
+    keys = ("chunk_numel", "cache_blocks", "prefetch_depth", "chunks")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted > 0 and measured > 0 else 1.0
+
+
+def _clamp(factor: float) -> float:
+    return min(max(factor, 1.0 / FACTOR_LIMIT), FACTOR_LIMIT)

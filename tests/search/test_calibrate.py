@@ -1,0 +1,94 @@
+"""Self-correction (search/calibrate.py): a measurement of the running plan corrects the profiles,
+and a plan predicted from a wrong profile is replaced by the one the true profile gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from lightning_elixir.search import SearchOptions, evaluate_plan, search
+from lightning_elixir.search.calibrate import (StepMeasurement, _fit_scale, calibrate, reconsider, scale_collectives,
+                                               scale_compute)
+from tests.search.profiles import GiB, gpt_profile, hardware
+
+SLOW = ((1 << 20, 2e9), (1 << 26, 1.5e10), (1 << 30, 2e10))
+TRUE = hardware(all_gather_bytes_per_s=SLOW, reduce_scatter_bytes_per_s=SLOW)
+OPTIONS = SearchOptions(world_size=8)
+MODEL = gpt_profile(2048, 8, seq=1024, batch=4)
+
+
+def measure(plan, model=MODEL, truth=TRUE) -> StepMeasurement:
+    """What running ``plan`` on the true machine would measure."""
+    c = evaluate_plan(plan, model, truth, OPTIONS).cost
+    return StepMeasurement(c.step_s, gather_wait_s=c.forward_backward_s - c.compute_s - c.contention_s,
+                           offload_wait_s=c.exposed_host_s + c.exposed_copy_s, optimizer_s=c.device_optimizer_s)
+
+
+def test_ten_times_wrong_bandwidth_switches_to_the_true_profiles_plan():
+    wrong = scale_collectives(TRUE, 10.0)
+    budget = 4 * GiB
+    running, _ = search(MODEL, wrong, budget, OPTIONS)
+    best, best_report = search(MODEL, TRUE, budget, OPTIONS)
+    assert running.chunks != best.chunks  # the wrong profile chose another plan
+    decision = reconsider(running, MODEL, wrong, budget, OPTIONS, measure(running))
+    assert decision.calibration is not None
+    assert decision.calibration.bandwidth_scale == pytest.approx(0.1, rel=0.05)
+    assert decision.calibration.compute_scale == pytest.approx(1.0, rel=0.02)
+    assert decision.plan is not None and "switching" in decision.reason
+    assert decision.plan.chunks == best.chunks and decision.plan.cache_blocks == best.cache_blocks
+    # calibrated, the new prediction of the running plan is what was measured
+    assert decision.calibration.after.step_s == pytest.approx(measure(running).step_s, rel=0.03)
+
+
+def test_accurate_prediction_keeps_the_plan_without_searching():
+    plan, _ = search(MODEL, TRUE, 4 * GiB, OPTIONS)
+    decision = reconsider(plan, MODEL, TRUE, 4 * GiB, OPTIONS, measure(plan))
+    assert decision.plan is None and decision.calibration is None and decision.report is None
+    assert decision.error == pytest.approx(1.0)
+
+
+def test_a_small_gain_is_not_worth_a_switch():
+    wrong = scale_collectives(TRUE, 10.0)
+    running, _ = search(MODEL, wrong, 8 * GiB, OPTIONS)
+    decision = reconsider(running, MODEL, wrong, 8 * GiB, OPTIONS, measure(running), margin=0.1)
+    assert decision.calibration is not None and decision.plan is None
+    assert "margin" in decision.reason or "running plan again" in decision.reason
+
+
+def test_slower_compute_is_calibrated_as_compute():
+    plan, _ = search(MODEL, TRUE, 8 * GiB, OPTIONS)
+    slow = scale_compute(MODEL, 2.0)
+    cal = calibrate(plan, MODEL, TRUE, OPTIONS, measure(plan, model=slow))
+    assert cal.compute_scale == pytest.approx(2.0, rel=0.05)
+    assert cal.bandwidth_scale == pytest.approx(1.0, rel=0.05)
+    assert cal.after.step_s == pytest.approx(measure(plan, model=slow).step_s, rel=0.03)
+
+
+def test_measured_peak_scales_activations():
+    plan, _ = search(MODEL, TRUE, 8 * GiB, OPTIONS)
+    predicted = evaluate_plan(plan, MODEL, TRUE, OPTIONS)
+    peak = predicted.memory.peak_bytes + predicted.memory.activation_bytes  # twice the activations
+    decision = reconsider(plan, MODEL, TRUE, 8 * GiB, OPTIONS, dataclasses.replace(measure(plan), peak_bytes=peak))
+    assert decision.calibration is not None
+    assert decision.calibration.activation_scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_fit_scale_takes_the_factor_nearest_one():
+    def wait(scale: float) -> float:  # 1 s of communication, of which 0.5 s hides
+        return max(1.0 / scale - 0.5, 0.0)
+
+    assert _fit_scale(wait, 0.5, tolerance=1e-3) == 1.0
+    assert _fit_scale(wait, 1.5, tolerance=1e-4) == pytest.approx(0.5, rel=1e-3)
+    # all hidden identifies only a lower bound: the smallest factor that hides it all
+    assert _fit_scale(wait, 0.0, tolerance=1e-4) == pytest.approx(2.0, rel=1e-3)
+    assert _fit_scale(wait, 1e9, tolerance=1e-4) == pytest.approx(0.01)
+
+
+def test_measurement_is_checked():
+    with pytest.raises(ValueError):
+        StepMeasurement(0.0)
+    with pytest.raises(ValueError):
+        StepMeasurement(1.0, gather_wait_s=math.nan)
+    assert StepMeasurement(1.0, gather_wait_s=0.2, reduce_wait_s=0.1, optimizer_s=0.3).compute_s == pytest.approx(0.4)
