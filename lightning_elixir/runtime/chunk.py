@@ -119,8 +119,12 @@ class Chunk:
         self.settle()
         self._move(ChunkState.GATHERING)
         self.full.untyped_storage().resize_(self.full_bytes)
-        self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=async_op,
-                                                    chunk=self.index)
+        if async_op:
+            self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=True,
+                                                        chunk=self.index)
+            return
+        with self.clock.timing("gather_wait"):  # a demand gather: the step waits for all of it
+            collectives.all_gather(self.full, self.shard, self.group, chunk=self.index)
 
     def finish_gather(self) -> None:
         """GATHERING -> HOLD: wait for the all-gather and point parameters at their views."""

@@ -109,6 +109,10 @@ class Decision:
     """The running plan's predicted device peak."""
     calibration: Optional[Calibration]
     """None when the prediction was within the threshold."""
+    outcome: str = "within"
+    """"within" (the prediction was close enough), "same" (the calibrated search picks the running plan
+    again), "margin" (another plan, not faster by the margin), "no-fit" (nothing fits the calibrated
+    model) or "switch"."""
     plan: Optional[ElixirPlan] = None
     """The plan to switch to; None to keep the running one."""
     report: Optional[SearchReport] = None
@@ -176,20 +180,20 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
     try:
         best, report = search(calibration.model, calibration.hardware, budget_bytes, options)
     except NoPlanFitsError as err:
-        return Decision(measured, step_s, peak, calibration, reason=f"{start}; no plan fits the calibrated model "
-                        f"({str(err).splitlines()[0]}): keeping the plan")
+        reason = f"{start}; no plan fits the calibrated model ({str(err).splitlines()[0]}): keeping the plan"
+        return Decision(measured, step_s, peak, calibration, "no-fit", reason=reason)
     running = calibration.after.step_s
-    if _same_plan(best, plan):
+    if _same_plan(best, report.winner.cache_blocks, plan, predicted.sim.cache_blocks):
         reason = f"{start}; the search picks the running plan again: keeping it"
-        return Decision(measured, step_s, peak, calibration, report=report, reason=reason)
+        return Decision(measured, step_s, peak, calibration, "same", report=report, reason=reason)
     gain = 1.0 - report.winner.step_s / running if running > 0 else 0.0
     if gain < margin:
         reason = (f"{start}; best other plan {format_ms(report.winner.step_s)} vs {format_ms(running)} for the "
                   f"running one (calibrated), {gain:.0%} faster, under the {margin:.0%} margin: keeping the plan")
-        return Decision(measured, step_s, peak, calibration, report=report, reason=reason)
+        return Decision(measured, step_s, peak, calibration, "margin", report=report, reason=reason)
     reason = (f"{start}; switching to {report.winner.describe()}: predicted {format_ms(report.winner.step_s)} vs "
               f"{format_ms(running)} for the running plan (calibrated), {gain:.0%} faster")
-    return Decision(measured, step_s, peak, calibration, plan=best, report=report, reason=reason)
+    return Decision(measured, step_s, peak, calibration, "switch", plan=best, report=report, reason=reason)
 
 
 def scale_compute(model: ModelProfile, scale: float) -> ModelProfile:
@@ -246,10 +250,11 @@ def _fit_scale(predict: Callable[[float], float], target: float, tolerance: floa
     return math.exp(far)
 
 
-def _same_plan(a: ElixirPlan, b: ElixirPlan) -> bool:
-    """Whether two plans run the same way (names aside)."""
-    keys = ("chunk_numel", "cache_blocks", "prefetch_depth", "chunks")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+def _same_plan(a: ElixirPlan, a_blocks: int, b: ElixirPlan, b_blocks: int) -> bool:
+    """Whether two plans run the same way: same chunks (or packing), prefetch and cache blocks, with
+    "min"/"all" resolved to counts (``*_blocks``)."""
+    same_layout = a.chunks == b.chunks if a.chunks and b.chunks else a.chunk_numel == b.chunk_numel
+    return same_layout and a.prefetch_depth == b.prefetch_depth and a_blocks == b_blocks
 
 
 def _ratio(measured: float, predicted: float) -> float:
