@@ -109,3 +109,17 @@ def test_reduced_run_reports_every_system_and_workload(tmp_path):
                 assert row["status"] in FAILURES and row["reason"], row
         table = proc.stdout.split(f"## {workload}:")[1]
         assert all(f"| {system} |" in table for system in REDUCED_SYSTEMS)
+
+
+def test_search_quality_runs_the_self_correction_and_compares_memory_for_llama():
+    proc = subprocess.run([sys.executable, os.path.join("examples", "benchmarks", "search_quality.py"), "--model",
+                           "llama", "--n-layer", "1", "--rounds", "1", "--warmup-steps", "2", "--timed-steps", "1",
+                           "--calibration-steps", "1", "--chunk-sizes", "1", "--block-points", "2", "--prefetch", "0",
+                           "--skip-20b"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for section in ("self-correction per budget", "corrected/best", "profiles calibrated on the chosen plan",
+                    "runtime-held peak of one step"):
+        assert section in out, out
+    summary = next(line for line in out.splitlines() if line.startswith("over all "))
+    assert "pred/meas" in summary and "goal within 5%" in summary

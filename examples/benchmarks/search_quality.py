@@ -1,19 +1,37 @@
-"""How good is the search? Its chosen plan against every plan of a grid, measured on this machine.
+"""How good is the search? Its chosen plan against every plan of a grid, measured on this machine,
+before and after the self-correction ([Note: self-correction] in lightning_elixir/search/calibrate.py).
 
-    python examples/benchmarks/search_quality.py                  # CPU, 2 gloo processes, ~5 minutes
+    python examples/benchmarks/search_quality.py                  # CPU, 2 gloo processes, the GPT, ~5 minutes
+    python examples/benchmarks/search_quality.py --model llama    # the same for the Llama-style model
     python examples/benchmarks/search_quality.py --n-layer 2 --rounds 1 --timed-steps 2 --skip-20b  # quick
+    python examples/benchmarks/search_quality.py --model llama --n-layer 2 --rounds 1 --timed-steps 2 --skip-20b
 
-Two spawned ranks (one CPU thread each) profile the example GPT and this process group, then run
-every plan of a grid (chunk sizes x cache blocks x prefetch depth, drawn from the space the search
-enumerates) for a few steps. A step is forward, loss, backward and the sharded AdamW step, timed
-after a barrier; a plan's time is the median of its timed steps, max over ranks, fastest of a few
-rounds over all plans. For a few memory budgets spanning the grid's predicted peaks the search
-picks a plan (searched before anything is measured, so that an off-grid plan runs in the same
-rounds as the grid), compared with the fastest measured grid plan that fits the budget. The rank
-correlation of predicted and measured step times is over the whole grid. Last, in this process:
-profiling and searching a ~20B GPT for a synthetic node of 8 GPUs.
+Two spawned ranks (one CPU thread each) profile the model (examples/gpt.py: tied head, biases,
+GELU; or examples/llama.py: RMSNorm, rotary positions, SwiGLU, untied head, no biases; the same
+default size, ~5-6M parameters) and this process group, then run every plan of a grid (chunk sizes x
+cache blocks x prefetch depth, drawn from the space the search enumerates) for a few steps. A step is
+forward, loss, backward and the sharded AdamW step, timed after a barrier; a plan's time is the
+median of its timed steps, max over ranks, fastest of a few rounds over all plans.
 
-Goals (from the issue): chosen/best <= 1.05 at every budget, Spearman >= 0.8.
+For a few memory budgets spanning the grid's predicted peaks the search picks a plan. Each chosen
+plan then runs a short calibration measurement (warm-up steps, then timed steps: the step time and
+the runtime's phases, gather/reduce/offload waits and the optimizer, median per column over the
+steps, max over ranks), and ``reconsider`` compares it with the prediction and, beyond its
+threshold, calibrates the profiles, searches again and names a plan to switch to (the "corrected"
+plan; the chosen one when it keeps it). All of this runs before the grid rounds, so that the chosen
+and corrected plans (when off the grid) are measured in the same rounds, under the same load, as the
+grid; each is compared with the fastest measured grid plan that fits the budget.
+
+Over the grid: the rank correlation and the ratio of measured to predicted step times, with the
+profiles measured before the run and with the profiles calibrated on the middle budget's chosen
+plan. Memory: the predicted and measured peak of the bytes the runtime holds (parameter shards,
+gathered chunks, gradients, optimizer state) over one recorded step; on the CPU activations are not
+measurable, so they are left out of both. Last, in this process: profiling and searching a ~20B GPT
+for a synthetic node of 8 GPUs.
+
+Goals: chosen/best <= 1.03 after self-correction at every budget; with the calibrated profiles,
+Spearman >= 0.9 and measured/predicted within 15% (0.87-1.15) over the grid; predicted runtime-held
+peak within 5% of the measured one.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ import argparse
 import copy
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
@@ -39,34 +58,55 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan  # noqa: E402
 from lightning_elixir.profile import HardwareProfile, ModelProfile, profile_hardware, profile_model  # noqa: E402
 from lightning_elixir.runtime import collectives  # noqa: E402
 from lightning_elixir.runtime.collectives import Group  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402
+from lightning_elixir.runtime.phases import PHASES  # noqa: E402
 from lightning_elixir.runtime.runtime import ElixirRuntime  # noqa: E402
 from lightning_elixir.search import (NoPlanFitsError, PlanPrediction, SearchOptions, build_layout,  # noqa: E402
                                      candidate_chunk_numels, evaluate_plan, search)
+from lightning_elixir.search.calibrate import (Calibration, Decision, StepMeasurement, calibrate,  # noqa: E402
+                                               reconsider)
 from lightning_elixir.search.layout import access_chunks  # noqa: E402
 from lightning_elixir.search.search import block_grid  # noqa: E402
 from lightning_elixir.search.simulate import min_cache_blocks  # noqa: E402
+from lightning_elixir.search.timeline import predict_timeline  # noqa: E402
+from lightning_elixir.timeline import MemoryTimeline  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
 WORLD_SIZE = 2
+MODELS = ("gpt", "llama")
+GOAL_CHOSEN_OVER_BEST = 1.03
+"""Measured chosen/best at every budget, after the self-correction."""
+GOAL_SPEARMAN = 0.9
+"""Rank correlation of predicted and measured step times over the grid, calibrated profiles."""
+GOAL_STEP_RATIO = (0.87, 1.15)
+"""Measured/predicted step time of every grid plan, calibrated profiles (within 15%)."""
+GOAL_PEAK_ERROR = 0.05
+"""Predicted runtime-held peak within 5% of the measured one."""
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="gpt",
+                   help="examples/gpt.py (tied head, biases, GELU) or examples/llama.py (RMSNorm, rotary, SwiGLU)")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--n-kv-head", type=int, default=None,
+                   help="llama only: key/value heads (fewer than --n-head: grouped-query attention)")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--timed-steps", type=int, default=5)
+    p.add_argument("--calibration-steps", type=int, default=4,
+                   help="timed steps of each chosen plan's calibration measurement (after the warm-up steps)")
     p.add_argument("--rounds", type=int, default=2, help="passes over all plans (fastest counts), alternating order")
     p.add_argument("--chunk-sizes", type=int, default=3, help="chunk sizes of the grid (spread over the search's)")
     p.add_argument("--block-points", type=int, default=4, help="cache sizes of the grid per chunk size")
@@ -82,9 +122,18 @@ def _options(args: argparse.Namespace) -> SearchOptions:
                          margin_fraction=0.0, min_chunk_numel=args.min_chunk_numel)
 
 
-def _config(args: argparse.Namespace) -> GPTConfig:
+def _config(args: argparse.Namespace) -> GPTConfig | LlamaConfig:
+    if args.model == "llama":
+        return LlamaConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.n_embd, n_kv_head=args.n_kv_head)
     return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                      n_head=args.n_head, n_embd=args.n_embd)
+
+
+def _build(args: argparse.Namespace) -> torch.nn.Module:
+    """The benchmarked model, on the CPU, with its own initialisation."""
+    config = _config(args)
+    return Llama(config) if isinstance(config, LlamaConfig) else GPT(config)
 
 
 # ---- inside the ranks ---------------------------------------------------------------------------
@@ -116,6 +165,17 @@ class Measured:
     """The same, counted by the runtime (this rank; every rank gathers alike)."""
     grew: bool
     """Whether the runtime had to grow the cache past the plan's blocks."""
+    calibrated_s: float
+    """The cost model's step time with the profiles calibrated on the middle budget's chosen plan."""
+    predicted_runtime_peak_bytes: int
+    """The predicted timeline's largest runtime-held bytes of this rank (shards, gathered chunks,
+    gradients, optimizer state; no activations)."""
+    measured_runtime_peak_bytes: int
+    """The same, recorded by the runtime over one step (-1: no step was recorded)."""
+    predicted_peak_at: str
+    """Where the predicted timeline peaks ("fwd h.0.attn", ...)."""
+    measured_peak_at: str
+    """Where the recorded timeline peaks."""
 
     @property
     def label(self) -> str:
@@ -124,8 +184,9 @@ class Measured:
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy, computed in fp32 (both example models return logits of (batch, seq, vocab))."""
     logits = model(batch[0])
-    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
 
 
 def _batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +258,22 @@ class Bench:
     """Step and round counts."""
 
 
+@dataclass(frozen=True)
+class PlanRun:
+    """A few steps of one plan on one rank."""
+
+    times_s: list[float]
+    """Seconds of each timed step."""
+    phases_s: list[list[float]]
+    """Per timed step, the runtime's seconds in each of ``PHASES`` (gather, reduce, offload waits, optimizer)."""
+    gathers: int
+    """All-gathers per step (public and private chunks), counted by the runtime."""
+    capacity: int
+    """The cache's blocks at the end (more than the plan's when the runtime had to grow it)."""
+    timeline: MemoryTimeline | None
+    """The runtime-held bytes of the second step (None: not recorded, or fewer than two steps)."""
+
+
 def _timed_steps_s(step: Callable[[], None], args: argparse.Namespace) -> list[float]:
     """Seconds of each timed call of ``step`` (after the warm-up calls), a barrier before each."""
     times_s = []
@@ -208,23 +285,39 @@ def _timed_steps_s(step: Callable[[], None], args: argparse.Namespace) -> list[f
     return times_s[args.warmup_steps:]
 
 
-def _elixir_steps(bench: Bench, plan: ElixirPlan) -> tuple[list[float], int, int]:
-    """Step seconds of ``plan`` on a copy of the base model, its gathers per step, its final cache size."""
+def _elixir_steps(bench: Bench, plan: ElixirPlan, timed_steps: int | None = None, record: bool = False) -> PlanRun:
+    """Warm-up and ``timed_steps`` (default ``--timed-steps``) steps of ``plan`` on a copy of the base model.
+
+    Each step's phases are what the runtime's clock collected between the barrier and the step's end.
+    With ``record``, the runtime records the memory timeline of the second step (the first learns the
+    access order and creates the optimizer state; the second is a warm-up step unless there is only one).
+    """
+    args = bench.args
+    timed_steps = args.timed_steps if timed_steps is None else timed_steps
     model = copy.deepcopy(bench.base)
     runtime = ElixirRuntime(model, plan, grow_cache=True)
     optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-    def step() -> None:
+    recorder = None
+    times_s, phases_s = [], []
+    for i in range(args.warmup_steps + timed_steps):
+        if record and i == 1:
+            recorder = runtime.record_timeline()
+        dist.barrier()
+        runtime.clock.take()
+        start = time.perf_counter()
         _loss(model, bench.batch).backward()
         optimizer_step(runtime, optimizer)
         optimizer.zero_grad()
-
-    times_s = _timed_steps_s(step, bench.args)
+        times_s.append(time.perf_counter() - start)
+        phases = runtime.clock.take()
+        phases_s.append([phases[p] for p in PHASES])
     stats = runtime.memory_stats()
     runtime.release_all()
     runtime.remove_hooks()
-    steps = bench.args.warmup_steps + bench.args.timed_steps
-    return times_s, (stats["gathers"] + stats["private_gathers"]) // steps, runtime.cache.capacity
+    steps = args.warmup_steps + timed_steps
+    timeline = recorder.timeline if recorder is not None and recorder.done else None
+    return PlanRun(times_s[args.warmup_steps:], phases_s[args.warmup_steps:],
+                   (stats["gathers"] + stats["private_gathers"]) // steps, runtime.cache.capacity, timeline)
 
 
 def _local_steps(bench: Bench) -> list[float]:
@@ -240,33 +333,80 @@ def _local_steps(bench: Bench) -> list[float]:
     return _timed_steps_s(step, bench.args)
 
 
-def _run_rounds(bench: Bench, plans: list[ElixirPlan | None]) -> tuple[list[float], list[int], list[int]]:
+def _run_rounds(bench: Bench, plans: list[ElixirPlan | None]
+                ) -> tuple[list[float], list[int], list[int], list[MemoryTimeline | None]]:
     """Every plan (None: no sharding) run once per round, the order reversed every other round so
     that a drift in the machine's load evens out. Per plan: the fastest round's step time (median
-    per rank, max over ranks), gathers per step and final cache size."""
+    per rank, max over ranks), gathers per step, final cache size, and the runtime-held bytes of one
+    step recorded in the first round (in a warm-up step unless there is only one)."""
     medians = torch.zeros(bench.args.rounds, len(plans), dtype=torch.float64)
     gathers, capacity = [0] * len(plans), [0] * len(plans)
+    timelines: list[MemoryTimeline | None] = [None] * len(plans)
     for r in range(bench.args.rounds):
         order = range(len(plans)) if r % 2 == 0 else range(len(plans) - 1, -1, -1)
         for i in order:
             if plans[i] is None:
                 times_s = _local_steps(bench)
             else:
-                times_s, gathers[i], capacity[i] = _elixir_steps(bench, plans[i])
+                run = _elixir_steps(bench, plans[i], record=r == 0)
+                times_s, gathers[i], capacity[i] = run.times_s, run.gathers, run.capacity
+                timelines[i] = run.timeline if r == 0 else timelines[i]
             medians[r, i] = statistics.median(times_s)
             gc.collect()
     slowest = collectives.all_reduce_max(medians, bench.group)
-    return slowest.min(dim=0).values.tolist(), gathers, capacity
+    return slowest.min(dim=0).values.tolist(), gathers, capacity, timelines
 
 
-def _measured(plan: ElixirPlan, pred: PlanPrediction, seconds: float, gathers: int, capacity: int) -> dict:
+def _calibration_measurement(bench: Bench, plan: ElixirPlan) -> StepMeasurement:
+    """A short run of ``plan`` as the monitor measures it: per column (step, each phase) the median
+    over the timed steps, then the largest over ranks."""
+    run = _elixir_steps(bench, plan, timed_steps=bench.args.calibration_steps)
+    gc.collect()
+    columns = [run.times_s, *zip(*run.phases_s)]
+    medians = torch.tensor([statistics.median(c) for c in columns], dtype=torch.float64)
+    step_s, *waits = collectives.all_reduce_max(medians, bench.group).tolist()
+    phases = dict(zip(PHASES, waits))
+    return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
+                           offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"])
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The self-correction of one budget's chosen plan."""
+
+    measured: StepMeasurement
+    """The calibration measurement of the chosen plan."""
+    decision: Decision
+    """What ``reconsider`` concluded (its profiles and search are dropped before it leaves the rank)."""
+    calibration: Calibration
+    """``calibrate`` on the same measurement (the decision's, when it calibrated)."""
+    plan: ElixirPlan
+    """The decision's plan, or the chosen one when it keeps it."""
+
+
+def _correct(bench: Bench, budget_bytes: int, plan: ElixirPlan) -> Correction:
+    """Measure ``plan`` briefly, reconsider it at ``budget_bytes`` (default threshold and margin), and calibrate."""
+    measured = _calibration_measurement(bench, plan)
+    decision = reconsider(plan, bench.profile, bench.hardware, budget_bytes, bench.options, measured)
+    calibration = decision.calibration or calibrate(plan, bench.profile, bench.hardware, bench.options, measured)
+    return Correction(measured, decision, calibration, decision.plan or plan)
+
+
+def _measured(plan: ElixirPlan, pred: PlanPrediction, seconds: float, gathers: int, capacity: int,
+              calibrated: PlanPrediction, predicted_timeline: MemoryTimeline,
+              measured_timeline: MemoryTimeline | None) -> dict:
     """A ``Measured``, as a dict (it crosses the process boundary)."""
+    predicted_peak, predicted_at = predicted_timeline.peak("runtime") or (0, "")
+    measured_peak, measured_at = (measured_timeline.peak("runtime") if measured_timeline is not None else None) \
+        or (-1, "")
     return dataclasses.asdict(Measured(
         chunk_numel=plan.chunk_numel, cache_blocks=pred.sim.cache_blocks,
         public_chunks=sum(not c.private for c in plan.chunks), prefetch_depth=plan.prefetch_depth,
         predicted_s=pred.cost.step_s, predicted_peak_bytes=pred.memory.peak_bytes, measured_s=seconds,
         cost=dataclasses.asdict(pred.cost), gathers=pred.sim.gathers, measured_gathers=gathers,
-        grew=capacity > pred.sim.cache_blocks))
+        grew=capacity > pred.sim.cache_blocks, calibrated_s=calibrated.cost.step_s,
+        predicted_runtime_peak_bytes=predicted_peak, measured_runtime_peak_bytes=measured_peak,
+        predicted_peak_at=predicted_at, measured_peak_at=measured_at))
 
 
 def _budgets(peaks_bytes: list[int]) -> list[int]:
@@ -292,7 +432,7 @@ def _setup(rank: int, args: argparse.Namespace) -> tuple[Bench, float]:
     group = Group.default()
     hw = _hardware(group)
     torch.manual_seed(0)
-    base = GPT(_config(args))
+    base = _build(args)
     batch = _batch(rank, args)
     start = time.perf_counter()
     profile = profile_model(base, batch, step_fn=_loss, compute_dtype=torch.float32, hardware=hw)
@@ -302,25 +442,57 @@ def _setup(rank: int, args: argparse.Namespace) -> tuple[Bench, float]:
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     """Everything that needs the process group; every rank runs the same sequence of collectives.
 
-    The searches run before any measurement, so that their plans (when off the grid) are measured
-    in the same rounds, under the same load, as the grid.
+    The searches and the self-corrections (short runs of each chosen plan) come before the grid
+    rounds, so that the chosen and corrected plans (when off the grid) are measured in the same
+    rounds, under the same load, as the grid.
     """
     bench, profile_s = _setup(rank, args)
     predict = partial(evaluate_plan, model=bench.profile, hardware=bench.hardware, options=bench.options)
     grid = _grid_plans(bench.profile, bench.options, args)
     searched = [(b, *_timed_search(bench, b)) for b in _budgets([predict(p).memory.peak_bytes for p in grid])]
+    corrections = [_correct(bench, b, p) for b, p, _ in searched]
+    calibration = corrections[len(corrections) // 2].calibration  # the middle budget's chosen plan's
+    recalibrated = partial(evaluate_plan, model=calibration.model, hardware=calibration.hardware,
+                           options=bench.options)
     plans = {_key(p, predict(p)): p for p in grid}
     grid_keys = list(plans)
-    for _, plan, _ in searched:
+    for (_, plan, _), correction in zip(searched, corrections):
         plans.setdefault(_key(plan, predict(plan)), plan)
-    seconds, gathers, capacity = _run_rounds(bench, [None, *plans.values()])  # [0]: no sharding
-    results = {k: _measured(p, predict(p), seconds[i], gathers[i], capacity[i])
+        plans.setdefault(_key(correction.plan, predict(correction.plan)), correction.plan)
+    seconds, gathers, capacity, timelines = _run_rounds(bench, [None, *plans.values()])  # [0]: no sharding
+    results = {k: _measured(p, predict(p), seconds[i], gathers[i], capacity[i], recalibrated(p),
+                            predict_timeline(bench.profile, p, bench.options, rank=rank), timelines[i])
                for i, (k, p) in enumerate(plans.items(), start=1)}
-    chosen = [{"budget_bytes": b, "search_s": s, "in_grid": _key(p, predict(p)) in grid_keys,
-               "chosen": results[_key(p, predict(p))]} for b, p, s in searched]
+    chosen = []
+    for (budget, plan, search_s), c in zip(searched, corrections):
+        key, corrected_key = _key(plan, predict(plan)), _key(c.plan, predict(c.plan))
+        chosen.append({"budget_bytes": budget, "search_s": search_s, "in_grid": key in grid_keys,
+                       "chosen": results[key], "corrected": results[corrected_key],
+                       "corrected_in_grid": corrected_key in grid_keys, "switched": c.decision.plan is not None,
+                       "verdict": _verdict(c.decision), "reason": c.decision.reason,
+                       "measured": dataclasses.asdict(c.measured), "factors": _factors(c.calibration),
+                       "calibrated_s": c.calibration.after.step_s})
     return {"hardware": bench.hardware, "profile_s": profile_s, "params": bench.profile.total_numel,
             "compute_s": bench.profile.compute_s, "local_s": seconds[0], "chosen": chosen,
-            "grid": [results[k] for k in grid_keys]}
+            "grid": [results[k] for k in grid_keys], "calibrated_on": chosen[len(chosen) // 2]}
+
+
+def _factors(calibration: Calibration) -> dict:
+    return {"compute": calibration.compute_scale, "bandwidth": calibration.bandwidth_scale,
+            "optimizer": calibration.optimizer_scale}
+
+
+def _verdict(decision: Decision) -> str:
+    """The decision's reason, shortened: its error, and why it keeps or switches."""
+    head = f"{decision.error - 1:+.0%}"
+    if decision.outcome in ("within", "no-fit", "same"):
+        return f"{head}, " + {"within": "within threshold", "no-fit": "no plan fits calibrated",
+                              "same": "re-search picks it again"}[decision.outcome] + ": keep"
+    running = decision.calibration.after.step_s
+    gain = 1.0 - decision.report.winner.step_s / running if running > 0 else 0.0
+    if decision.outcome == "switch":
+        return f"{head}, switch: {gain:.0%} faster (cal.)"
+    return f"{head}, other plan {gain:.0%} faster < margin: keep"
 
 
 # ---- in this process ----------------------------------------------------------------------------
@@ -402,6 +574,7 @@ def _grid_rows(grid: list[Measured]) -> list[tuple]:
         c = m.cost
         rows.append((m.chunk_numel, f"{m.cache_blocks}/{m.public_chunks}", m.prefetch_depth,
                      f"{m.predicted_s * 1e3:.0f}", f"{m.measured_s * 1e3:.0f}", f"{m.predicted_s / m.measured_s:.2f}",
+                     f"{m.calibrated_s * 1e3:.0f}", f"{m.calibrated_s / m.measured_s:.2f}",
                      f"{m.predicted_peak_bytes / MiB:.1f}", f"{m.gathers}/{m.measured_gathers}",
                      f"{c['compute_s'] * 1e3:.0f}", f"{c['forward_backward_s'] * 1e3:.0f}",
                      f"{c['all_gather_s'] * 1e3:.0f}", f"{c['reduce_scatter_s'] * 1e3:.0f}",
@@ -409,24 +582,87 @@ def _grid_rows(grid: list[Measured]) -> list[tuple]:
     return rows
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _best_fitting(grid: list[Measured], budget_bytes: int) -> tuple[Measured, int]:
+    """The fastest measured grid plan predicted to fit ``budget_bytes``, and how many fit."""
+    fits = [m for m in grid if m.predicted_peak_bytes <= budget_bytes]
+    return min(fits, key=lambda m: m.measured_s), len(fits)
+
+
 def _budget_rows(grid: list[Measured], chosen: list[dict]) -> list[tuple]:
     rows = []
     for c in chosen:
-        fits = [m for m in grid if m.predicted_peak_bytes <= c["budget_bytes"]]
-        best = min(fits, key=lambda m: m.measured_s)
-        ch = c["chosen"]
+        best, fit = _best_fitting(grid, c["budget_bytes"])
+        ch, co = c["chosen"], c["corrected"]
+        after = co.measured_s / best.measured_s
         rows.append((f"{c['budget_bytes'] / MiB:.1f}", ch.label + ("" if c["in_grid"] else " *"),
                      f"{ch.predicted_peak_bytes / MiB:.1f}", f"{ch.predicted_s * 1e3:.0f}",
-                     f"{ch.measured_s * 1e3:.0f}", f"{best.measured_s * 1e3:.0f}", best.label, len(fits),
-                     f"{ch.measured_s / best.measured_s:.3f}", f"{c['search_s'] * 1e3:.0f}"))
+                     f"{ch.measured_s * 1e3:.0f}", f"{ch.measured_s / best.measured_s:.3f}",
+                     (co.label + ("" if c["corrected_in_grid"] else " *")) if c["switched"] else "(kept)",
+                     f"{co.measured_s * 1e3:.0f}", f"{after:.3f} {_met(after <= GOAL_CHOSEN_OVER_BEST)}",
+                     f"{best.measured_s * 1e3:.0f}", best.label, fit, f"{c['search_s'] * 1e3:.0f}"))
     return rows
+
+
+def _correction_rows(chosen: list[dict]) -> list[tuple]:
+    rows = []
+    for c in chosen:
+        m, f = c["measured"], c["factors"]
+        compute = m["step_s"] - m["gather_wait_s"] - m["reduce_wait_s"] - m["offload_wait_s"] - m["optimizer_s"]
+        rows.append((f"{c['budget_bytes'] / MiB:.1f}", f"{c['chosen'].predicted_s * 1e3:.0f}",
+                     f"{m['step_s'] * 1e3:.0f}", f"{max(compute, 0.0) * 1e3:.0f}", f"{m['gather_wait_s'] * 1e3:.0f}",
+                     f"{m['reduce_wait_s'] * 1e3:.0f}", f"{m['optimizer_s'] * 1e3:.0f}",
+                     f"{c['calibrated_s'] * 1e3:.0f}", f"x{f['compute']:.2f}", f"x{f['bandwidth']:.2f}",
+                     f"x{f['optimizer']:.2f}", c["verdict"]))
+    return rows
+
+
+def _memory_rows(grid: list[Measured], chosen: list[dict], ranks: list[dict[str, Measured]]
+                 ) -> tuple[list[tuple], list[float]]:
+    """The chosen and corrected plans and a spread of grid plans over the predicted peaks; and the
+    measured/predicted ratio of every plan measured on every rank."""
+    picked: dict[str, tuple[Measured, str]] = {}
+    for c in chosen:
+        for role in ("chosen", "corrected"):
+            m = c[role]
+            picked.setdefault(m.label, (m, f"{role} @ {c['budget_bytes'] / MiB:.1f}"))
+    by_peak = sorted(grid, key=lambda m: (m.predicted_runtime_peak_bytes, m.label))
+    for m in _spread(tuple(by_peak), 4):
+        picked.setdefault(m.label, (m, "grid"))
+    rows = []
+    for m, role in sorted(picked.values(), key=lambda item: item[0].predicted_runtime_peak_bytes):
+        ratios = [x for x in (_peak_ratio(r[m.label]) for r in ranks if m.label in r) if math.isfinite(x)]
+        worst = max(ratios, key=lambda x: abs(x - 1.0)) if ratios else None
+        recorded = m.measured_runtime_peak_bytes > 0
+        rows.append((m.label, role, f"{m.predicted_runtime_peak_bytes / MiB:.2f}",
+                     f"{m.measured_runtime_peak_bytes / MiB:.2f}" if recorded else "-",
+                     f"{_peak_ratio(m):.3f}" if recorded else "-",
+                     "-" if worst is None else f"{worst:.3f} {_met(abs(worst - 1.0) <= GOAL_PEAK_ERROR)}",
+                     m.predicted_peak_at, m.measured_peak_at or "-", "yes" if m.grew else ""))
+    every = [_peak_ratio(m) for r in ranks for m in r.values() if m.measured_runtime_peak_bytes > 0]
+    return rows, every
+
+
+def _peak_ratio(m: Measured) -> float:
+    """Predicted over measured runtime-held peak (nan when no step was recorded)."""
+    if m.measured_runtime_peak_bytes <= 0:
+        return float("nan")
+    return m.predicted_runtime_peak_bytes / m.measured_runtime_peak_bytes
+
+
+MODEL_NAMES = {"gpt": "example GPT (tied head, biases, GELU)",
+               "llama": "example Llama (RMSNorm, rotary, SwiGLU, untied head, no biases)"}
 
 
 def _print_header(args: argparse.Namespace, result: dict, load_before: float) -> None:
     hw = result["hardware"]
-    print(f"example GPT: {result['params'] / 1e6:.2f}M parameters (L{args.n_layer} d{args.n_embd} "
-          f"V{args.vocab_size} T{args.block_size}, batch {args.batch_size}/rank), fp32, {WORLD_SIZE} gloo ranks "
-          f"x 1 CPU thread on {os.cpu_count()} CPUs; 1-minute load average before the run {load_before:.2f} "
+    heads = f" h{args.n_head}" + (f" kv{args.n_kv_head}" if args.model == "llama" and args.n_kv_head else "")
+    print(f"{MODEL_NAMES[args.model]}: {result['params'] / 1e6:.2f}M parameters (L{args.n_layer} d{args.n_embd}"
+          f"{heads} V{args.vocab_size} T{args.block_size}, batch {args.batch_size}/rank), fp32, {WORLD_SIZE} gloo "
+          f"ranks x 1 CPU thread on {os.cpu_count()} CPUs; 1-minute load average before the run {load_before:.2f} "
           f"(other work: anything above ~0.3 shares the CPUs with the ranks and makes timings noisy)")
     print(f"hardware now: matmul {hw.matmul_flops_per_s / 1e9:.1f} GFLOP/s, all-gather "
           f"{hw.all_gather_bytes_per_s[-1][1] / 1e9:.2f} GB/s, collective latency "
@@ -437,36 +673,82 @@ def _print_header(args: argparse.Namespace, result: dict, load_before: float) ->
           "model state (shards, gathered blocks, activations), not a fixed 256 MiB workspace; no offload")
     print(f"each plan: {args.warmup_steps} warm-up + {args.timed_steps} timed steps (barrier before each), "
           f"median per rank, max over ranks, fastest of {args.rounds} rounds (order reversed every other round)")
+    print(f"self-correction: each chosen plan runs {args.warmup_steps} warm-up + {args.calibration_steps} timed "
+          f"steps before the rounds (step and phases: median per column, max over ranks), then reconsider() "
+          f"(threshold 15%, margin 10%)")
+    print("memory: runtime-held bytes only (parameter shards, gathered chunks, gradients, optimizer state), "
+          "recorded over one step; on the CPU activations are not measurable and are left out")
     print(f"no sharding (whole model + AdamW per rank, no collective): {result['local_s'] * 1e3:.0f} ms a step\n")
 
 
-def _print_correlations(grid: list[Measured]) -> None:
-    """The goal's correlation, then the same within each prefetch depth (where the ranks get hard)."""
-    rho = spearman([m.predicted_s for m in grid], [m.measured_s for m in grid])
-    print(f"\nSpearman rank correlation, predicted vs measured step time over {len(grid)} grid plans: {rho:.3f}")
-    for depth in sorted({m.prefetch_depth for m in grid}):
-        same = [m for m in grid if m.prefetch_depth == depth]
-        rho = spearman([m.predicted_s for m in same], [m.measured_s for m in same])
-        print(f"  within prefetch depth {depth} ({len(same)} plans): {rho:.3f}")
-    ratios = sorted(m.measured_s / m.predicted_s for m in grid)
-    print(f"measured/predicted: median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+def _print_correlations(grid: list[Measured], calibrated_on: dict) -> None:
+    """Predicted against measured over the grid: with the profiles measured before the run, then
+    calibrated on the middle budget's chosen plan (the goals); each also within prefetch depths."""
+    f = calibrated_on["factors"]
+    for title, predicted, goals in (
+            ("profiles measured before the run", lambda m: m.predicted_s, False),
+            (f"profiles calibrated on the chosen plan at {calibrated_on['budget_bytes'] / MiB:.1f} MiB "
+             f"({calibrated_on['chosen'].label}: compute x{f['compute']:.2f}, bandwidth x{f['bandwidth']:.2f}, "
+             f"optimizer x{f['optimizer']:.2f})", lambda m: m.calibrated_s, True)):
+        rho = spearman([predicted(m) for m in grid], [m.measured_s for m in grid])
+        goal = f" (goal >= {GOAL_SPEARMAN}: {_met(rho >= GOAL_SPEARMAN)})" if goals else ""
+        print(f"\n{title}:")
+        print(f"Spearman rank correlation, predicted vs measured step time over {len(grid)} grid plans: "
+              f"{rho:.3f}{goal}")
+        for depth in sorted({m.prefetch_depth for m in grid}):
+            same = [m for m in grid if m.prefetch_depth == depth]
+            rho = spearman([predicted(m) for m in same], [m.measured_s for m in same])
+            print(f"  within prefetch depth {depth} ({len(same)} plans): {rho:.3f}")
+        ratios = sorted(m.measured_s / predicted(m) for m in grid)
+        low, high = GOAL_STEP_RATIO
+        goal = f" (goal {low:.2f}-{high:.2f}: {_met(low <= ratios[0] and ratios[-1] <= high)})" if goals else ""
+        print(f"measured/predicted: median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}"
+              f"{goal}")
+
+
+def _plans_by_label(result: dict) -> dict[str, Measured]:
+    """Every plan one rank measured (grid, chosen, corrected), by label."""
+    plans = {m.label: m for m in (Measured(**d) for d in result["grid"])}
+    for c in result["chosen"]:
+        for role in ("chosen", "corrected"):
+            m = Measured(**c[role])
+            plans.setdefault(m.label, m)
+    return plans
 
 
 def main(argv=None) -> None:
     args = _parse(argv)
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
-    result = run_distributed(bench_rank, WORLD_SIZE, args)[0]
+    ranks = run_distributed(bench_rank, WORLD_SIZE, args)
+    result = ranks[0]
     grid = [Measured(**m) for m in result["grid"]]
-    chosen = [{**c, "chosen": Measured(**c["chosen"])} for c in result["chosen"]]
+    chosen = [{**c, "chosen": Measured(**c["chosen"]), "corrected": Measured(**c["corrected"])}
+              for c in result["chosen"]]
+    calibrated_on = {**result["calibrated_on"], "chosen": Measured(**result["calibrated_on"]["chosen"])}
     _print_header(args, result, load_before)
-    print(f"grid: {len(grid)} plans, fastest measured first (cost breakdown in predicted ms)")
-    print_table(("chunk", "blocks", "prefetch", "pred ms", "meas ms", "pred/meas", "peak MiB", "gathers p/m",
-                 "compute", "fwd+bwd", "gather", "reduce", "optim", "grew"), _grid_rows(grid))
-    print("\nper budget (* = the chosen plan is off the grid; measured in the same rounds)")
-    print_table(("budget MiB", "chosen", "peak MiB", "pred ms", "meas ms", "best ms", "best grid plan", "fit",
-                 "chosen/best", "search ms"), _budget_rows(grid, chosen))
-    _print_correlations(grid)
+    print(f"grid: {len(grid)} plans, fastest measured first (cal: predicted with the calibrated profiles; cost "
+          f"breakdown in predicted ms)")
+    print_table(("chunk", "blocks", "prefetch", "pred ms", "meas ms", "pred/meas", "cal ms", "cal/meas", "peak MiB",
+                 "gathers p/m", "compute", "fwd+bwd", "gather", "reduce", "optim", "grew"), _grid_rows(grid))
+    print("\nself-correction per budget: the chosen plan's calibration run (ms; compute = step less waits and "
+          "optimizer), its prediction before and after calibration, the fitted factors, and the decision")
+    print_table(("budget MiB", "pred ms", "step ms", "compute", "gather wait", "reduce wait", "optim",
+                 "calibrated ms", "compute x", "bandwidth x", "optim x", "decision"), _correction_rows(chosen))
+    print(f"\nper budget (* = off the grid, measured in the same rounds; best = fastest grid plan that fits; goal "
+          f"corrected/best <= {GOAL_CHOSEN_OVER_BEST})")
+    print_table(("budget MiB", "chosen", "peak MiB", "pred ms", "meas ms", "chosen/best", "corrected", "meas ms",
+                 "corrected/best", "best ms", "best grid plan", "fit", "search ms"), _budget_rows(grid, chosen))
+    _print_correlations(grid, calibrated_on)
+    rows, every = _memory_rows(grid, chosen, [_plans_by_label(r) for r in ranks])
+    print(f"\nruntime-held peak of one step (no activations: not measurable on the CPU), rank 0, and the worst "
+          f"pred/meas over ranks (goal within {GOAL_PEAK_ERROR:.0%})")
+    print_table(("plan", "role", "pred MiB", "meas MiB", "pred/meas", "worst pred/meas", "pred peak at",
+                 "meas peak at", "grew"), rows)
+    if every:
+        worst = max(every, key=lambda x: abs(x - 1.0))
+        print(f"over all {len(every)} plan x rank measurements: pred/meas {min(every):.3f}-{max(every):.3f} "
+              f"(goal within {GOAL_PEAK_ERROR:.0%}: {_met(abs(worst - 1.0) <= GOAL_PEAK_ERROR)})")
     print(f"ranks finished in {time.perf_counter() - start:.0f} s")
     if not args.skip_20b:
         head, rows = gpt_20b_rows()
