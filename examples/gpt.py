@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from examples.lm import CausalLM, TokenDataModule
 
 
 @dataclass
@@ -107,8 +108,8 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPTLightningModule(L.LightningModule):
-    """GPT language model: next-token cross-entropy, AdamW with decay on matrices only."""
+class GPTLightningModule(CausalLM):
+    """GPT language model: next-token cross-entropy, AdamW with decay on matrices only (examples/lm.py)."""
 
     def __init__(
         self,
@@ -126,36 +127,10 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd,
                                 activation_checkpointing=activation_checkpointing)
-        self.model: GPT | None = None if meta_init else GPT(self.config)
+        self._init_model()
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = GPT(self.config)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
-
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=(0.9, 0.95))
+    def build_model(self) -> GPT:
+        return GPT(self.config)
 
 
 class BigramTokens(Dataset):
@@ -184,22 +159,11 @@ class BigramTokens(Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
-class BigramDataModule(L.LightningDataModule):
+class BigramDataModule(TokenDataModule):
     """Train/val loaders over generated bigram sequences."""
-
-    def __init__(self, vocab_size: int = 512, block_size: int = 64, batch_size: int = 8,
-                 num_samples: int = 2048, seed: int = 0) -> None:
-        super().__init__()
-        self.save_hyperparameters()
 
     def setup(self, stage: str | None = None) -> None:
         h = self.hparams
         self.train_set = BigramTokens(h.vocab_size, h.block_size, h.num_samples, h.seed)
         self.val_set = BigramTokens(h.vocab_size, h.block_size, max(h.num_samples // 8, h.batch_size), h.seed,
                                     sample_seed=h.seed + 1)  # the same table: validation measures what training learns
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False)

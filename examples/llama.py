@@ -21,12 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from examples.lm import CausalLM, TokenDataModule
 
 
 @dataclass
@@ -193,8 +194,8 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-class LlamaLightningModule(L.LightningModule):
-    """Llama language model: next-token cross-entropy, AdamW with decay on matrices only.
+class LlamaLightningModule(CausalLM):
+    """Llama language model: next-token cross-entropy, AdamW with decay on matrices only (examples/lm.py).
 
     With ``meta_init=True`` the model is built in ``configure_model`` (on the meta device under a
     sharding strategy); the parameters then take their modules' own ``reset_parameters`` init.
@@ -221,36 +222,10 @@ class LlamaLightningModule(L.LightningModule):
         self.config = LlamaConfig(vocab_size, block_size, n_layer, n_head, n_embd, n_kv_head=n_kv_head,
                                   intermediate_size=intermediate_size, rope_theta=rope_theta,
                                   tie_embeddings=tie_embeddings, activation_checkpointing=activation_checkpointing)
-        self.model: Llama | None = None if meta_init else Llama(self.config)
+        self._init_model()
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = Llama(self.config)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
-
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=(0.9, 0.95))
+    def build_model(self) -> Llama:
+        return Llama(self.config)
 
 
 class RepeatTokens(Dataset):
@@ -279,21 +254,10 @@ class RepeatTokens(Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
-class RepeatDataModule(L.LightningDataModule):
+class RepeatDataModule(TokenDataModule):
     """Train/val loaders over generated repeated-segment sequences."""
-
-    def __init__(self, vocab_size: int = 512, block_size: int = 64, batch_size: int = 8,
-                 num_samples: int = 2048, seed: int = 0) -> None:
-        super().__init__()
-        self.save_hyperparameters()
 
     def setup(self, stage: str | None = None) -> None:
         h = self.hparams
         self.train_set = RepeatTokens(h.vocab_size, h.block_size, h.num_samples, h.seed)
         self.val_set = RepeatTokens(h.vocab_size, h.block_size, max(h.num_samples // 8, h.batch_size), h.seed + 1)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False)
