@@ -17,7 +17,7 @@ from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, REDUCE_BUFFERS, ElixirPl
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
-from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.chunk import Chunk, GradBuffers, Slot
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.hooks import BackwardCall, ModuleState, WaitKey, in_backward
 from lightning_elixir.runtime import layout
@@ -76,8 +76,11 @@ class ElixirRuntime:
         self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values)
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
+        self.grad_buffers = GradBuffers()
+        """Full-size gradient buffers reused on the CPU ([Note: reused gradient buffers] in chunk.py)."""
         for chunk in self.chunks:
             chunk.clock = self.clock
+            chunk.grad_buffers = self.grad_buffers
         self.offload = OffloadEngine(self.chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
         self._buffers = [b for b in module.buffers()]
         if values:  # re-chunking keeps each rank's buffers as they are
@@ -552,6 +555,7 @@ class ElixirRuntime:
         self.chunks, self.public, self.private = [], [], []
         self._where.clear()
         self._views.clear()
+        self.grad_buffers.clear()
         self.optimizers = []
 
     def restore_module(self) -> None:
