@@ -2,15 +2,19 @@
 
     python examples/benchmarks/profile_accuracy.py [--device cpu] [--threads N] [--repeats 7]
 
-For a few sizes of the example GPT: the ModelProfile's compute estimate (roofline over the
-measured HardwareProfile) against the median wall time of real forward+loss+backward steps; then
-how long profiling a ~20B GPT (hidden 8192, 24 layers, vocab 50257, sequence 1024) takes on fake
-tensors and how much resident memory it adds.
+For a few sizes of the example GPT: the ModelProfile's compute estimate over the measured
+HardwareProfile against the median wall time of real forward+loss+backward steps, twice: with the
+peak-rate roofline alone ("roofline": no operator overhead, every matmul and attention at the peak
+matmul rate, bytes at the copy bandwidth) and with the calibrated model ("calibrated": the measured
+per-operator overhead and the size-dependent matmul, attention and elementwise rates, see
+[Note: roofline] in profile/cost.py); then how long profiling a ~20B GPT (hidden 8192, 24 layers,
+vocab 50257, sequence 1024) takes on fake tensors and how much resident memory it adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import statistics
 import time
@@ -18,7 +22,7 @@ import time
 import torch
 
 from examples.gpt import GPT, BigramTokens, GPTConfig, GPTLightningModule
-from lightning_elixir.profile import profile_hardware, profile_model
+from lightning_elixir.profile import HardwareProfile, profile_hardware, profile_model
 
 SIZES = [  # (n_layer, n_embd, block_size, batch)
     (4, 128, 64, 8),
@@ -49,6 +53,7 @@ def measured_step_s(model: torch.nn.Module, batch, dtype: torch.dtype, device: t
 
 def accuracy_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> list[tuple]:
     hardware = profile_hardware(device, compute_dtype=dtype, refresh=True)  # same conditions as the steps
+    print(calibration(hardware))
     rows = []
     for n_layer, n_embd, block_size, batch_size in SIZES:
         torch.manual_seed(0)
@@ -56,11 +61,35 @@ def accuracy_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> lis
         data = BigramTokens(512, block_size, batch_size)
         x, y = (torch.stack(t).to(device) for t in zip(*(data[i] for i in range(batch_size))))
         profile = profile_model(module.model, (x, y), step_fn=gpt_loss, compute_dtype=dtype, hardware=hardware)
+        roofline = profile_model(module.model, (x, y), step_fn=gpt_loss, compute_dtype=dtype,
+                                 hardware=peak_roofline(hardware)).compute_s
         real_s = measured_step_s(module.model, (x, y), dtype, device, repeats)
         params_m = profile.total_numel / 1e6
         rows.append((f"L{n_layer} d{n_embd} T{block_size} B{batch_size}", _dtype(dtype), f"{params_m:.1f}M",
-                     f"{profile.compute_s * 1e3:.1f}", f"{real_s * 1e3:.1f}", f"{profile.compute_s / real_s:.2f}"))
+                     f"{real_s * 1e3:.1f}", f"{roofline * 1e3:.1f}", f"{roofline / real_s:.2f}",
+                     f"{profile.compute_s * 1e3:.1f}", f"{profile.compute_s / real_s:.2f}"))
     return rows
+
+
+def peak_roofline(hardware: HardwareProfile) -> HardwareProfile:
+    """``hardware`` without its calibration: no operator overhead, every matmul and attention at the
+    peak matmul rate, bytes at the copy bandwidth."""
+    return dataclasses.replace(hardware, op_overhead_s=0.0, matmul_points=(), attention_points=(),
+                               attention_backward_points=(), elementwise_points=())
+
+
+def calibration(hardware: HardwareProfile) -> str:
+    """One line with the measured compute calibration of ``hardware``."""
+
+    def span(points: tuple[tuple[float, float], ...], scale: float) -> str:
+        rates = [rate / scale for _, rate in points]
+        return f"{min(rates):.0f}-{max(rates):.0f}" if rates else "-"
+
+    return (f"{hardware.compute_dtype}: operator overhead {hardware.op_overhead_s * 1e6:.1f} us, matmul "
+            f"{span(hardware.matmul_points, 1e9)} GFLOP/s (peak {hardware.matmul_flops_per_s / 1e9:.0f}), attention "
+            f"{span(hardware.attention_points, 1e9)} / backward {span(hardware.attention_backward_points, 1e9)} "
+            f"GFLOP/s, elementwise {span(hardware.elementwise_points, 1e9)} GB/s "
+            f"(copy {hardware.device_memory_bytes_per_s / 1e9:.0f})")
 
 
 def profile_20b() -> tuple[int, float, float]:
@@ -108,8 +137,8 @@ def main() -> None:
         print(f"20B GPT profile: {numel / 1e9:.2f}B parameters in {seconds:.2f} s, "
               f"peak resident memory +{grew / 2**20:.0f} MiB\n")
     rows = [row for dtype in (torch.float32, torch.bfloat16) for row in accuracy_rows(device, dtype, args.repeats)]
-    print(f"step time on {device} ({torch.get_num_threads()} CPU threads): predicted vs measured")
-    print_table(("model", "dtype", "params", "predicted_ms", "measured_ms", "ratio"), rows)
+    print(f"\nstep time on {device} ({torch.get_num_threads()} CPU threads): predicted vs measured")
+    print_table(("model", "dtype", "params", "measured_ms", "roofline_ms", "ratio", "calibrated_ms", "ratio"), rows)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ A collective that one rank calls and another does not hangs the job. So the sequ
 depends on rank-local state: (1) with world_size > 1 the ranks first all-gather whether each has a
 valid cache, and all measure unless all have one; (2) the measurement runs fixed sizes and
 iteration counts; (3) the ranks all-gather their numbers and keep the slowest (lowest speed,
-highest latency, least communication overlap), so every rank returns the same profile and the
-search makes the same plan.
+highest latency and operator overhead, least communication overlap), so every rank returns the
+same profile and the search makes the same plan.
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ from lightning_elixir.profile.types import HardwareProfile, ProfileError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/lightning_elixir")
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 """Part of the cache file name. Bump it when HardwareProfile gains a measured field: a profile
-cached before would load with the field's default (v2: ``comm_overlap``, which defaults to 1.0)."""
-_POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s")
+cached before would load with the field's default (v2: ``comm_overlap``, which defaults to 1.0;
+v3: ``op_overhead_s`` and the matmul, attention and elementwise points, which default to no
+overhead, every call at the peak matmul rate and bytes at the copy bandwidth)."""
+# (size, speed) point fields: the worst case over ranks is the smallest speed at each size.
+_POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "matmul_points", "attention_points",
+                 "attention_backward_points", "elementwise_points")
+# Fields whose worst case over ranks is their largest value.
+_MAX_FIELDS = ("collective_latency_s", "op_overhead_s")
 # Fields whose worst case over ranks is their smallest value.
 _MIN_FIELDS = ("device_memory_bytes", "matmul_flops_per_s", "device_memory_bytes_per_s", "h2d_bytes_per_s",
                "d2h_bytes_per_s", "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s",
@@ -58,7 +64,7 @@ class MachineKey:
     torch_version: str
     """torch.__version__."""
     compute_dtype: str
-    """dtype of the matmul benchmark."""
+    """dtype of the compute benchmarks (matmul, attention, elementwise)."""
 
     @classmethod
     def current(cls, device: torch.device, world_size: int, compute_dtype: torch.dtype) -> "MachineKey":
@@ -104,7 +110,8 @@ def profile_hardware(
             ``out`` of ``inp.numel() / world_size`` elements. Same rules as ``all_gather``.
         nvme_path: A directory on the NVMe drive offloading would use; None to skip (bandwidths 0).
         cache_dir: Where profiles are cached (default ``~/.cache/lightning_elixir``).
-        compute_dtype: The dtype the matmul benchmark runs in (the training compute dtype).
+        compute_dtype: The dtype the matmul, attention and elementwise benchmarks run in (the
+            training compute dtype).
         refresh: Measure even when a valid cached profile exists.
         sizes: Benchmark sizes (default: per device kind, see ``BenchSizes.for_device``).
 
@@ -149,6 +156,10 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     """Run every microbenchmark once (the same collectives on every rank)."""
     log.info("measuring hardware profile for %s", key)
     dtype = getattr(torch, key.compute_dtype)
+    overhead_s = bench.op_overhead_s(device, sizes, dtype)
+    matmul_points = bench.matmul_points(device, dtype, sizes)
+    attention_points, attention_backward_points = bench.attention_points(device, dtype, sizes)
+    elementwise_points = bench.elementwise_points(device, dtype, sizes)
     h2d, d2h = bench.host_transfer_bytes_per_s(device, sizes)
     latency_s, gather_points, scatter_points = _collectives(device, key.world_size, sizes, all_gather, reduce_scatter)
     optimizer_device = bench.optimizer_numel_per_s(device, sizes.optimizer_numel, sizes.iters)
@@ -161,14 +172,16 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     return HardwareProfile(
         device_name=key.device_name, device_count=key.device_count, world_size=key.world_size,
         torch_version=key.torch_version, device_memory_bytes=_device_memory_bytes(device),
-        matmul_flops_per_s=bench.matmul_flops_per_s(device, dtype, sizes),
+        matmul_flops_per_s=matmul_points[-1][1],  # the largest size: the peak
         device_memory_bytes_per_s=bench.memory_bytes_per_s(device, sizes),
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         all_gather_bytes_per_s=gather_points, reduce_scatter_bytes_per_s=scatter_points,
         optimizer_device_numel_per_s=optimizer_device, optimizer_cpu_numel_per_s=optimizer_cpu,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
         collective_latency_s=latency_s, comm_overlap=overlap, compute_dtype=key.compute_dtype,
-        notes=_notes(device, key.world_size, all_gather),
+        notes=_notes(device, key.world_size, all_gather), op_overhead_s=overhead_s, matmul_points=matmul_points,
+        attention_points=attention_points, attention_backward_points=attention_backward_points,
+        elementwise_points=elementwise_points,
     )
 
 
@@ -226,23 +239,27 @@ def _transfer_s(total_s: float, latency_s: float) -> float:
 
 def _usable_on_every_rank(cached: HardwareProfile | None, all_gather: Collective | None, world_size: int,
                           device: torch.device) -> bool:
-    """Whether every rank has a cached profile, all with the same number of collective points."""
+    """Whether every rank has a cached profile, all with the same number of points in each point
+    field (so that ``_slowest_rank``'s vectors have the same length on every rank)."""
     if world_size == 1:
         return cached is not None
-    points = float(len(cached.all_gather_bytes_per_s) + len(cached.reduce_scatter_bytes_per_s)) if cached else -1.0
-    every = torch.empty(world_size, dtype=torch.float64, device=device)
-    all_gather(every, torch.tensor([points], dtype=torch.float64, device=device))
-    return bool(every.min().item() >= 0 and every.min().item() == every.max().item())
+    points = [float(len(getattr(cached, name))) if cached else -1.0 for name in _POINT_FIELDS]
+    every = torch.empty(world_size * len(points), dtype=torch.float64, device=device)
+    all_gather(every, torch.tensor(points, dtype=torch.float64, device=device))
+    every = every.view(world_size, -1)
+    return bool(every.min().item() >= 0 and (every == every[0]).all().item())
 
 
 def _slowest_rank(profile: HardwareProfile, all_gather: Collective | None, world_size: int,
                   device: torch.device) -> HardwareProfile:
-    """The profile with every speed and the overlap the lowest, and the latency the highest, over ranks."""
+    """The profile with every speed and the overlap the lowest, and the latency and the operator
+    overhead the highest, over ranks."""
     if world_size == 1:
         return profile
-    # Latency is negated so that "min over ranks" is the worst case for every entry.
-    mine = [float(getattr(profile, name)) for name in _MIN_FIELDS] + [-profile.collective_latency_s]
-    mine += [bw for name in _POINT_FIELDS for _, bw in getattr(profile, name)]
+    # Costs are negated so that "min over ranks" is the worst case for every entry.
+    mine = [float(getattr(profile, name)) for name in _MIN_FIELDS]
+    mine += [-getattr(profile, name) for name in _MAX_FIELDS]
+    mine += [rate for name in _POINT_FIELDS for _, rate in getattr(profile, name)]
     every = torch.empty(world_size * len(mine), dtype=torch.float64, device=device)
     all_gather(every, torch.tensor(mine, dtype=torch.float64, device=device))
     worst = every.view(world_size, -1).min(dim=0).values.tolist()
@@ -251,12 +268,12 @@ def _slowest_rank(profile: HardwareProfile, all_gather: Collective | None, world
 
 def _with_values(profile: HardwareProfile, values: list[float]) -> HardwareProfile:
     """``profile`` with the values of ``_slowest_rank``'s vector put back in their fields."""
-    changes: dict[str, object] = dict(zip(_MIN_FIELDS, values))
+    rest = iter(values)
+    changes: dict[str, object] = {name: next(rest) for name in _MIN_FIELDS}
     changes["device_memory_bytes"] = int(changes["device_memory_bytes"])
-    changes["collective_latency_s"] = -values[len(_MIN_FIELDS)]
-    rest = iter(values[len(_MIN_FIELDS) + 1:])
-    for name in _POINT_FIELDS:
-        changes[name] = tuple((nbytes, next(rest)) for nbytes, _ in getattr(profile, name))
+    changes.update({name: -next(rest) for name in _MAX_FIELDS})
+    for name in _POINT_FIELDS:  # each rank's points are at the same sizes (fixed by BenchSizes)
+        changes[name] = tuple((size, next(rest)) for size, _ in getattr(profile, name))
     return dataclasses.replace(profile, **changes)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +165,8 @@ class HardwareProfile:
     device_memory_bytes: int
     """Total memory of one device."""
     matmul_flops_per_s: float
-    """Dense matmul throughput in the compute dtype."""
+    """Dense matmul throughput in the compute dtype: the peak, measured at the largest benchmark size
+    (``matmul_points`` has the rate of smaller matmuls)."""
     device_memory_bytes_per_s: float
     """Device memory bandwidth (copy)."""
     h2d_bytes_per_s: float
@@ -191,12 +193,33 @@ class HardwareProfile:
     (NCCL on a GPU); 0.0: it takes the same cores compute needs (gloo on a busy CPU), so overlapping
     it saves nothing. 1.0 unless measured (a hand-written profile keeps the GPU assumption)."""
     compute_dtype: str = "float32"
-    """The dtype ``matmul_flops_per_s`` was measured in."""
+    """The dtype ``matmul_flops_per_s`` and the matmul, attention and elementwise points were measured in."""
     notes: tuple[str, ...] = ()
     """What was not measured as named, e.g. "h2d: no accelerator, measured a host copy"."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds every (non-view) operator of a training step costs however little it computes:
+    dispatch, autograd bookkeeping, module calls, views, allocation, kernel launch. Measured as the
+    time of a tiny training step per operator. 0: not measured."""
+    matmul_points: tuple[tuple[float, float], ...] = ()
+    """(FLOPs of one matmul call, achieved FLOP/s) at a few square sizes, ascending in FLOPs: small
+    matmuls run below the peak. Empty: only the peak ``matmul_flops_per_s`` is known (see
+    ``matmul_flops_per_s_at``)."""
+    attention_points: tuple[tuple[float, float], ...] = ()
+    """(FLOPs of one attention forward call, achieved FLOP/s) of causal scaled dot product attention
+    at a few sizes, ascending in FLOPs. Empty: attention runs at the matmul rate."""
+    attention_backward_points: tuple[tuple[float, float], ...] = ()
+    """The same for the attention backward call. Empty: it runs at the matmul rate."""
+    elementwise_points: tuple[tuple[float, float], ...] = ()
+    """(Bytes one call reads and writes, achieved bytes/s) of out-of-place elementwise and
+    normalisation operators (add, GELU, layer norm, softmax) at a few sizes, ascending in bytes.
+    Empty: operators move bytes at ``device_memory_bytes_per_s``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "notes", tuple(self.notes))
+        for name in _RATE_POINT_FIELDS:
+            object.__setattr__(self, name, _rate_points(name, getattr(self, name)))
+        if not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
+            raise ProfileError(f"op_overhead_s must be a finite number of seconds >= 0, got {self.op_overhead_s}")
         for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s"):
             points = tuple(sorted((int(b), float(bw)) for b, bw in getattr(self, name)))
             if not points or any(bw <= 0 for _, bw in points):
@@ -208,6 +231,30 @@ class HardwareProfile:
                 raise ProfileError(f"{name} must be positive")
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise ProfileError(f"comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
+
+    def matmul_flops_per_s_at(self, flops: float) -> float:
+        """Matmul throughput for one call doing ``flops``: interpolated between ``matmul_points`` in
+        log space of the flops, flat beyond the smallest and largest; ``matmul_flops_per_s`` when
+        there are no points."""
+        if not self.matmul_points:
+            return self.matmul_flops_per_s
+        return _interpolate_log(self.matmul_points, flops)
+
+    def attention_flops_per_s_at(self, flops: float, backward: bool = False) -> float:
+        """Attention throughput for one forward (or backward) call doing ``flops``, like
+        ``matmul_flops_per_s_at`` over the attention points; the matmul rate when there are none."""
+        points = self.attention_backward_points if backward else self.attention_points
+        if not points:
+            return self.matmul_flops_per_s_at(flops)
+        return _interpolate_log(points, flops)
+
+    def elementwise_bytes_per_s_at(self, nbytes: float) -> float:
+        """Bytes per second of an operator call reading and writing ``nbytes``: interpolated like
+        ``matmul_flops_per_s_at`` over ``elementwise_points``; ``device_memory_bytes_per_s`` when
+        there are none."""
+        if not self.elementwise_points:
+            return self.device_memory_bytes_per_s
+        return _interpolate_log(self.elementwise_points, nbytes)
 
     def all_gather_s(self, nbytes: int) -> float:
         """Predicted seconds to all-gather a chunk of ``nbytes`` (full size)."""
@@ -233,7 +280,7 @@ class HardwareProfile:
     def from_json(cls, text_or_path: str | os.PathLike) -> "HardwareProfile":
         """Load from a JSON string or file."""
         data = _load_json(text_or_path)
-        for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s"):
+        for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", *_RATE_POINT_FIELDS):
             data[name] = tuple(tuple(p) for p in data.get(name, ()))
         return _from_dict(cls, data)
 
@@ -248,3 +295,34 @@ def _interpolate(points: tuple[tuple[int, float], ...], nbytes: int) -> float:
         return points[-1][1]
     (b0, w0), (b1, w1) = points[i - 1], points[i]
     return w0 + (w1 - w0) * (nbytes - b0) / (b1 - b0)
+
+
+_RATE_POINT_FIELDS = ("matmul_points", "attention_points", "attention_backward_points", "elementwise_points")
+"""HardwareProfile's (work of one call, work per second) fields: empty, or positive pairs with
+distinct work."""
+
+
+def _rate_points(name: str, points: Any) -> tuple[tuple[float, float], ...]:
+    """``points`` as (float, float) pairs ascending in work; ProfileError unless all are positive
+    and finite with distinct work."""
+    try:
+        points = tuple(sorted((float(w), float(r)) for w, r in points))
+    except (TypeError, ValueError) as err:
+        raise ProfileError(f"{name} must be (work, work per second) pairs ({err})") from None
+    if not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r) for w, r in points):
+        raise ProfileError(f"{name} needs positive (work, work per second) pairs, got {points}")
+    if len({w for w, _ in points}) < len(points):
+        raise ProfileError(f"{name} has two rates for the same work: {points}")
+    return points
+
+
+def _interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The value at ``x``, linear in ``log(x)`` between the points and flat beyond them."""
+    xs = [p for p, _ in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)

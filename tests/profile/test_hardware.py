@@ -19,7 +19,9 @@ from lightning_elixir.profile.hardware import MachineKey, profile_hardware
 from lightning_elixir.profile.types import HardwareProfile, ProfileError
 
 TINY = BenchSizes(matmul_dim=128, copy_bytes=1 << 20, optimizer_numel=1 << 14,
-                  collective_bytes=(1 << 12, 1 << 16), nvme_bytes=1 << 23, iters=2)
+                  collective_bytes=(1 << 12, 1 << 16), nvme_bytes=1 << 23, iters=2,
+                  attention_shapes=((1, 2, 16, 16), (1, 2, 32, 16)), elementwise_bytes=(1 << 14, 1 << 16),
+                  overhead_steps=2)
 
 
 @pytest.fixture
@@ -46,6 +48,22 @@ def test_measurement_is_plausible_and_says_what_it_measured(measured):
     assert any("host memory copy" in note for note in measured.notes)
     assert measured.all_gather_s(1 << 14) > measured.collective_latency_s
     assert 0.0 <= measured.comm_overlap <= 1.0
+
+
+def test_measurement_calibrates_the_compute_model(measured):
+    assert 0.0 < measured.op_overhead_s < 1e-2
+    flops = [f for f, _ in measured.matmul_points]
+    assert flops == [2.0 * n**3 for n in TINY.matmul_sides()] == sorted(flops) and len(flops) == 4
+    assert measured.matmul_flops_per_s == measured.matmul_points[-1][1]  # the peak: the largest size
+    assert measured.matmul_flops_per_s_at(flops[0]) == measured.matmul_points[0][1]
+    forward = [f for f, _ in measured.attention_points]
+    backward = [f for f, _ in measured.attention_backward_points]
+    assert len(forward) == len(backward) == len(TINY.attention_shapes)
+    assert forward == sorted(forward) and backward == sorted(backward) and backward[0] > forward[0]
+    moved = [b for b, _ in measured.elementwise_points]
+    assert len(moved) == len(TINY.elementwise_bytes) and moved == sorted(moved)
+    for name in ("matmul_points", "attention_points", "attention_backward_points", "elementwise_points"):
+        assert all(rate > 0 for _, rate in getattr(measured, name)), name
 
 
 def test_json_round_trip(measured, tmp_path):
@@ -175,22 +193,58 @@ def test_a_cache_from_before_comm_overlap_is_measured_again(measured, tmp_path):
     assert HardwareProfile.from_json(tmp_path / key.file_name()) == again
 
 
-def test_ranks_agree_on_the_worst_numbers(hardware_factory):
-    mine = hardware_factory(world_size=2, comm_overlap=0.7, collective_latency_s=1e-4)
-    other = dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10)
+def _two_ranks(fn, mine, other):
+    """``fn(mine, all_gather, 2, cpu)`` as rank 0 with ``other`` on rank 1 (running the same ``fn``)."""
     sent = []
 
     def record(out, inp):
         sent.append(inp.clone())
         out.copy_(torch.cat([inp, inp]))
 
-    hardware._slowest_rank(other, record, 2, torch.device("cpu"))
+    fn(other, record, 2, torch.device("cpu"))
 
     def all_gather(out, inp):  # rank 1 sends what `other` sent
+        assert inp.numel() == sent[0].numel(), "the ranks' vectors differ in length"
         out.copy_(torch.cat([inp, sent[0]]))
 
-    agreed = hardware._slowest_rank(mine, all_gather, 2, torch.device("cpu"))
-    assert agreed == dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10)
+    return fn(mine, all_gather, 2, torch.device("cpu"))
+
+
+def test_ranks_agree_on_the_worst_numbers(hardware_factory):
+    mine = hardware_factory(world_size=2, comm_overlap=0.7, collective_latency_s=1e-4, op_overhead_s=2e-6,
+                            matmul_points=((1e6, 1e9), (1e9, 4e10), (1e12, 9e10)),
+                            attention_points=((1e6, 1e9), (1e9, 1e10)), attention_backward_points=((3e6, 5e8),),
+                            elementwise_points=((1e3, 1e9), (1e6, 2e10)))
+    other = dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10,
+                                op_overhead_s=5e-6, matmul_points=((1e6, 2e9), (1e9, 3e10), (1e12, 5e10)),
+                                attention_points=((1e6, 2e9), (1e9, 5e9)), attention_backward_points=((3e6, 4e8),),
+                                elementwise_points=((1e3, 2e9), (1e6, 1e10)))
+    agreed = _two_ranks(hardware._slowest_rank, mine, other)
+    assert agreed == dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10,
+                                         op_overhead_s=5e-6, matmul_points=((1e6, 1e9), (1e9, 3e10), (1e12, 5e10)),
+                                         attention_points=((1e6, 1e9), (1e9, 5e9)),
+                                         attention_backward_points=((3e6, 4e8),),
+                                         elementwise_points=((1e3, 1e9), (1e6, 1e10)))
+    # The other way round, the same profile.
+    assert _two_ranks(hardware._slowest_rank, other, mine) == agreed
+
+
+def test_ranks_without_the_calibration_still_agree(hardware_factory):
+    mine = hardware_factory(world_size=2, collective_latency_s=1e-4)
+    other = dataclasses.replace(mine, collective_latency_s=2e-4, matmul_flops_per_s=5e10)
+    assert _two_ranks(hardware._slowest_rank, mine, other) == other
+
+
+def test_a_cache_is_used_only_if_every_rank_has_one_with_the_same_points(hardware_factory):
+    usable = hardware._usable_on_every_rank
+    mine = hardware_factory(world_size=2, matmul_points=((1e6, 1e9), (1e9, 4e10)))
+    assert _two_ranks(usable, mine, dataclasses.replace(mine, op_overhead_s=1e-6))
+    assert not _two_ranks(usable, mine, None)
+    assert not _two_ranks(usable, None, mine)
+    assert not _two_ranks(usable, mine, dataclasses.replace(mine, matmul_points=((1e6, 1e9),)))
+    assert not _two_ranks(usable, mine, dataclasses.replace(mine, elementwise_points=((1e6, 1e9),)))
+    more_collective_points = ((1 << 10, 1e8), (1 << 20, 1e9))
+    assert not _two_ranks(usable, mine, dataclasses.replace(mine, all_gather_bytes_per_s=more_collective_points))
 
 
 def _free_port() -> int:
