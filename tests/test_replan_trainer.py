@@ -1,14 +1,17 @@
-"""Self-correction through the Trainer: a plan chosen from a wrong hardware profile is replaced after the
-first steps by the plan the machine's true profile gives, and training goes on as that plan's would.
+"""Self-correction through the Trainer, on two gloo ranks (processes started as in tests/test_resume.py).
 
-Two gloo ranks (processes started as in tests/test_resume.py). Four fits from the same weights and data:
+Five fits from the same weights and data:
 
 1. "measured": plan="auto" on this machine's measured profile, ``replan=False``: the true profile's plan;
-2. "wrong": plan="auto" with that profile's collectives 10x too fast ([Note: self-correction]); the
-   monitor calibrates after its calibration steps and switches (margin 0: any other plan of the
-   calibrated search is taken, so that the test does not hinge on how large the gain is here);
-3. "fixed": the plan "wrong" switched to, given from the start: never reconsidered;
-4. "kept": the wrong profile with ``replan=False``: never switches.
+2. "wrong": plan="auto" with that profile's collectives 10x too fast ([Note: self-correction]): after its
+   calibration steps the monitor finds the step far slower than predicted, fits the collectives'
+   bandwidth below 1, searches again on the calibrated profiles and ends on the true profile's plan,
+   switching when the wrong profile chose another (margin 0: whether a switch happens at all depends on
+   this machine's speeds, which the test cannot fix; tests/search/test_calibrate.py shows it on fixed ones);
+3. "by hand": a fixed plan switched to another by ``ElixirStrategy.switch_plan`` after step 3, as the
+   monitor does: training goes on exactly as a fit of the second plan from the start (4);
+4. "second": the second plan from the start;
+5. "kept": the wrong profile with ``replan=False``: never reconsidered, never switched.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ CONFIG = GPTConfig(vocab_size=4096, block_size=64, n_layer=4, n_head=4, n_embd=3
 BUDGET = "375MiB"
 """Tight enough that plans differ in chunk size and offloading; see the module docstring."""
 CALIBRATION_STEPS, STEPS = 3, 7
+SWITCH_AFTER = 3
+FIRST = ElixirPlan(chunk_numel=1 << 20, cache_blocks="min", prefetch_depth=1, name="first")
+SECOND = ElixirPlan(chunk_numel=3 << 20, cache_blocks="all", name="second")
+
+
+class SwitchByHand(Callback):
+    """Switches the running plan to SECOND after optimizer step SWITCH_AFTER, as the monitor would."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == SWITCH_AFTER:
+            trainer.strategy.switch_plan(SECOND)
 
 
 class Planned(Callback):
@@ -50,7 +64,7 @@ class Planned(Callback):
         decision = strategy.monitor(trainer).decision
         out = {"first": self.first, "last": strategy.runtime.plan.to_dict(),
                "decision": None if decision is None else {
-                   "switched": decision.plan is not None, "reason": decision.reason,
+                   "switched": decision.plan is not None, "reason": decision.reason, "outcome": decision.outcome,
                    "bandwidth_scale": decision.calibration and decision.calibration.bandwidth_scale}}
         if strategy.planning is not None:
             strategy.planning.hardware_profile.to_json(self.run / f"hardware{trainer.global_rank}.json")
@@ -64,8 +78,9 @@ def fit(run: Path, world_size: int, plan, hardware: Optional[str], replan: bool)
     if hardware == "wrong":  # the measured profile of fit 1, with collectives 10x faster than measured
         measured = HardwareProfile.from_json(run.parent / "measured" / f"hardware{rank}.json")
         hardware = scale_collectives(measured, 10.0)
-    if isinstance(plan, Path):
-        plan = ElixirPlan.from_dict(json.loads(plan.with_name(f"planned{rank}.json").read_text())["last"])
+    callbacks = []
+    if plan == "by hand":
+        plan, callbacks = FIRST, [SwitchByHand()]
     strategy = ElixirStrategy(plan=plan, hardware_profile=hardware, replan=replan,
                               device_memory_limit=BUDGET if plan == "auto" else None,
                               collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
@@ -73,7 +88,7 @@ def fit(run: Path, world_size: int, plan, hardware: Optional[str], replan: bool)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
                         use_distributed_sampler=False, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=run,
-                        callbacks=[monitor, RankLosses(run / "losses"), Planned(run)])
+                        callbacks=[monitor, RankLosses(run / "losses"), Planned(run), *callbacks])
     trainer.fit(_Model())
 
 
@@ -93,9 +108,9 @@ class _Model(TinyGPT):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("replan")
-    runs = {name: root / name for name in ("measured", "wrong", "fixed", "kept")}
+    runs = {name: root / name for name in ("measured", "wrong", "by hand", "second", "kept")}
     fit_on_ranks(2, [(runs["measured"], "auto", None, False), (runs["wrong"], "auto", "wrong", True),
-                     (runs["fixed"], runs["wrong"] / "planned0.json", None, True),
+                     (runs["by hand"], "by hand", None, True), (runs["second"], SECOND, None, True),
                      (runs["kept"], "auto", "wrong", False)], fit_fn=fit)
     return runs
 
@@ -104,24 +119,29 @@ def planned(run: Path) -> list[dict]:
     return [json.loads((run / f"planned{r}.json").read_text()) for r in range(2)]
 
 
-def test_wrong_profile_switches_to_the_true_profiles_plan(runs):
+def test_wrong_profile_is_calibrated_and_ends_on_the_true_profiles_plan(runs):
     true_plan = planned(runs["measured"])[0]["last"]
     for rank in planned(runs["wrong"]):
         decision = rank["decision"]
-        assert decision is not None and decision["switched"], decision
+        assert decision is not None and decision["outcome"] != "within", decision  # 10x off: far beyond 15%
         assert decision["bandwidth_scale"] < 1.0  # the collectives were found slower than the profile said
-        assert rank["first"] != rank["last"]
         assert rank["last"]["chunks"] == true_plan["chunks"], decision["reason"]
+        assert decision["switched"] == (rank["first"]["chunks"] != true_plan["chunks"])
 
 
-def test_switched_run_trains_as_the_new_plan_from_the_start(runs):
-    switched, fixed = rank_losses(runs["wrong"]), rank_losses(runs["fixed"])
-    for got, want in zip(switched, fixed):
+def test_a_switched_run_trains_as_the_new_plan_from_the_start(runs):
+    for rank in planned(runs["by hand"]):
+        assert rank["first"]["name"] == "first" and rank["last"]["name"] == "second"
+    switched, second = rank_losses(runs["by hand"]), rank_losses(runs["second"])
+    for got, want in zip(switched, second):
         assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
 
 
 def test_no_switch_with_a_fixed_plan_or_replan_false(runs):
-    for rank in planned(runs["fixed"]) + planned(runs["kept"]) + planned(runs["measured"]):
-        assert rank["decision"] is None and rank["first"] == rank["last"]
+    for name in ("by hand", "second", "kept", "measured"):
+        for rank in planned(runs[name]):
+            assert rank["decision"] is None, name
+            if name != "by hand":
+                assert rank["first"] == rank["last"], name
