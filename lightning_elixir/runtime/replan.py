@@ -35,7 +35,7 @@ from lightning_elixir.plan import ChunkSpec, ElixirPlan, slot_offsets
 from lightning_elixir.runtime.layout import resolve_specs
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
-from lightning_elixir.runtime.state_dict import (_detached, _optimizer_layout, _optimizer_records, _param_records,
+from lightning_elixir.runtime.state_dict import (detached, optimizer_layout, optimizer_records, param_records,
                                                  load_own_optimizer_state, optimizer_views)
 
 
@@ -79,7 +79,7 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
         return full.reshape(-1)[begin:end].to("cpu", copy=True)
 
     with torch.no_grad():
-        values = {pid: own(pid, full) for pid, full in _param_records(runtime, everywhere=True)}
+        values = {pid: own(pid, full) for pid, full in param_records(runtime, everywhere=True)}
         optimizers = [_take_optimizer(runtime, optimizer, own) for optimizer in runtime.optimizers]
     carried = {name: getattr(runtime, name) for name in ("scaler", "steps", "micro_batches", "skipped_steps")}
 
@@ -114,10 +114,10 @@ def _take_optimizer(runtime: ElixirRuntime, optimizer: Optimizer,
     for group in optimizer.param_groups:
         params.append([entries[i + k][1].param for k in range(len(group["params"]))])
         i += len(group["params"])
-    sharded, layout = _optimizer_layout(runtime, optimizer)
+    sharded, layout = optimizer_layout(runtime, optimizer)
     gathered = {i: set(part.keys) for part in layout for i, _, _ in part.members}
-    state = {i: {k: _detached(v) for k, v in values.items() if k not in gathered.get(i, ())}
+    state = {i: {k: detached(v) for k, v in values.items() if k not in gathered.get(i, ())}
              for i, values in sharded["state"].items()}
-    for i, key, full in _optimizer_records(runtime, sharded, layout, everywhere=True):
+    for i, key, full in optimizer_records(runtime, sharded, layout, everywhere=True):
         state[i][key] = own(id(entries[i][1].param), full)
     return optimizer, params, state

@@ -24,7 +24,7 @@ def full_state_dict(runtime, everywhere: bool = False) -> dict[str, Any]:
     """The module's ``state_dict()`` with every parameter gathered from its master shard, on rank 0
     (an empty dict elsewhere) or, ``everywhere``, on every rank."""
     keep = everywhere or runtime.group.rank == 0
-    values = {pid: value.cpu().clone() for pid, value in _param_records(runtime, everywhere) if keep}
+    values = {pid: value.cpu().clone() for pid, value in param_records(runtime, everywhere) if keep}
     if not keep:
         return {}
     return {key: values.get(id(value), value) for key, value in _module_state(runtime).items()}
@@ -37,7 +37,7 @@ def _module_state(runtime) -> dict[str, Any]:
             for key, value in runtime.module.state_dict(keep_vars=True).items()}
 
 
-def _param_records(runtime, everywhere: bool) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+def param_records(runtime, everywhere: bool) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
     """(id(parameter), its full value) for every chunked parameter, gathered one chunk at a time on
     every rank; values (views of the gathered chunk, valid until the next chunk) on rank 0 or ``everywhere``."""
     for chunk in runtime.chunks:
@@ -121,7 +121,7 @@ def per_element_nbytes(values: Mapping[str, Any], shape: torch.Size) -> int:
 
 
 @dataclass
-class _ChunkOptimizerState:
+class ChunkOptimizerState:
     """One chunk's share of an optimizer's state: its parameters' entries and per-element keys."""
 
     chunk: Chunk
@@ -131,7 +131,7 @@ class _ChunkOptimizerState:
     """Per-element state keys (``exp_avg``, ...), gathered; the rest (``step``) is copied."""
 
 
-def _optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], list[_ChunkOptimizerState]]:
+def optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], list[ChunkOptimizerState]]:
     """The optimizer's sharded state dict and, per chunk, what of it is gathered."""
     runtime.offload.settle()
     sharded = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own (NVMe chunks bind into them)
@@ -142,22 +142,22 @@ def _optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], li
         if members:
             first_i, _, first_view = members[0]
             keys = sorted(k for k, v in sharded["state"][first_i].items() if is_per_element(k, v, first_view.shape))
-            layout.append(_ChunkOptimizerState(chunk, members, keys))
+            layout.append(ChunkOptimizerState(chunk, members, keys))
     return sharded, layout
 
 
-def _optimizer_skeleton(sharded: dict[str, Any], layout: list[_ChunkOptimizerState],
+def _optimizer_skeleton(sharded: dict[str, Any], layout: list[ChunkOptimizerState],
                         value: Callable[[int, str, Slot, torch.Tensor], Any]) -> dict[str, Any]:
     """The full optimizer state dict with ``value(index, key, slot, shard state)`` for each per-element entry."""
     state: dict[int, dict[str, Any]] = {}
     for part in layout:
         for i, slot, _ in part.members:
             own = sharded["state"][i]
-            state[i] = {k: (value(i, k, slot, v) if k in part.keys else _detached(v)) for k, v in own.items()}
+            state[i] = {k: (value(i, k, slot, v) if k in part.keys else detached(v)) for k, v in own.items()}
     return {"state": state, "param_groups": sharded["param_groups"]}
 
 
-def _optimizer_records(runtime, sharded: dict[str, Any], layout: list[_ChunkOptimizerState],
+def optimizer_records(runtime, sharded: dict[str, Any], layout: list[ChunkOptimizerState],
                        everywhere: bool) -> Iterator[tuple[int, str, Optional[torch.Tensor]]]:
     """(index, key, full value) of every per-element entry, gathered one chunk and key at a time on
     every rank; values (views of the gathered chunk, valid until the next item) on rank 0 or ``everywhere``."""
@@ -180,9 +180,9 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, everywhere: bool = 
     """A normal torch optimizer state dict: one entry per original parameter, full-shaped tensors; on
     rank 0 (an empty dict elsewhere) or, ``everywhere``, on every rank."""
     keep = everywhere or runtime.group.rank == 0
-    sharded, layout = _optimizer_layout(runtime, optimizer)
+    sharded, layout = optimizer_layout(runtime, optimizer)
     out = _optimizer_skeleton(sharded, layout, lambda *_: None)
-    for i, key, value in _optimizer_records(runtime, sharded, layout, everywhere):
+    for i, key, value in optimizer_records(runtime, sharded, layout, everywhere):
         out["state"][i][key] = value.cpu().clone() if keep else None
     return out if keep else {}
 
@@ -190,7 +190,7 @@ def full_optimizer_state_dict(runtime, optimizer: Optimizer, everywhere: bool = 
 def deferred_optimizer_state_dict(runtime, optimizer: Optimizer, index: int) -> dict[str, Any]:
     """The full optimizer state dict of the strategy's ``index``-th optimizer, per-element state as
     DeferredTensors ([Note: streamed full checkpoints])."""
-    sharded, layout = _optimizer_layout(runtime, optimizer)
+    sharded, layout = optimizer_layout(runtime, optimizer)
     return _optimizer_skeleton(sharded, layout,
                                lambda i, key, slot, v: DeferredTensor(("optimizer", index, i, key), slot.shape, v.dtype))
 
@@ -212,7 +212,7 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
     for index, optimizer in enumerate(optimizers):
         if not any(source[:2] == ("optimizer", index) for source in wanted):
             continue
-        sharded, layout = _optimizer_layout(runtime, optimizer)
+        sharded, layout = optimizer_layout(runtime, optimizer)
         for part in layout:
             with runtime.offload.resident(part.chunk):
                 for key in part.keys:
@@ -265,7 +265,7 @@ def _gathered(full: Optional[torch.Tensor], slots: list[tuple[Optional[DeferredT
     return Gathered(full[lo:hi], [(d, full[slot.offset:slot.end].view(slot.shape)) for d, slot in slots])
 
 
-def _detached(value: Any) -> Any:
+def detached(value: Any) -> Any:
     """A CPU copy of a tensor (the optimizer's own 'step' must not be shared with the checkpoint)."""
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
