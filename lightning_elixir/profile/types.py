@@ -238,7 +238,7 @@ class HardwareProfile:
         there are no points."""
         if not self.matmul_points:
             return self.matmul_flops_per_s
-        return _interpolate_log(self.matmul_points, flops)
+        return _interpolate(self.matmul_points, flops, log=True)
 
     def attention_flops_per_s_at(self, flops: float, backward: bool = False) -> float:
         """Attention throughput for one forward (or backward) call doing ``flops``, like
@@ -246,7 +246,7 @@ class HardwareProfile:
         points = self.attention_backward_points if backward else self.attention_points
         if not points:
             return self.matmul_flops_per_s_at(flops)
-        return _interpolate_log(points, flops)
+        return _interpolate(points, flops, log=True)
 
     def elementwise_bytes_per_s_at(self, nbytes: float) -> float:
         """Bytes per second of an operator call reading and writing ``nbytes``: interpolated like
@@ -254,7 +254,7 @@ class HardwareProfile:
         there are none."""
         if not self.elementwise_points:
             return self.device_memory_bytes_per_s
-        return _interpolate_log(self.elementwise_points, nbytes)
+        return _interpolate(self.elementwise_points, nbytes, log=True)
 
     def all_gather_s(self, nbytes: int) -> float:
         """Predicted seconds to all-gather a chunk of ``nbytes`` (full size)."""
@@ -285,16 +285,17 @@ class HardwareProfile:
         return _from_dict(cls, data)
 
 
-def _interpolate(points: tuple[tuple[int, float], ...], nbytes: int) -> float:
-    """Bandwidth at ``nbytes``, linear between measured sizes and flat beyond them."""
-    sizes = [b for b, _ in points]
-    i = bisect.bisect_left(sizes, nbytes)
+def _interpolate(points: tuple[tuple[float, float], ...], x: float, log: bool = False) -> float:
+    """The value at ``x``: linear between the points (in ``log(x)`` with ``log``), flat beyond them."""
+    xs = [p for p, _ in points]
+    i = bisect.bisect_left(xs, x)
     if i == 0:
         return points[0][1]
     if i == len(points):
         return points[-1][1]
-    (b0, w0), (b1, w1) = points[i - 1], points[i]
-    return w0 + (w1 - w0) * (nbytes - b0) / (b1 - b0)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    where = math.log(x / x0) / math.log(x1 / x0) if log else (x - x0) / (x1 - x0)
+    return y0 + (y1 - y0) * where
 
 
 _RATE_POINT_FIELDS = ("matmul_points", "attention_points", "attention_backward_points", "elementwise_points")
@@ -314,15 +315,3 @@ def _rate_points(name: str, points: Any) -> tuple[tuple[float, float], ...]:
     if len({w for w, _ in points}) < len(points):
         raise ProfileError(f"{name} has two rates for the same work: {points}")
     return points
-
-
-def _interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
-    """The value at ``x``, linear in ``log(x)`` between the points and flat beyond them."""
-    xs = [p for p, _ in points]
-    i = bisect.bisect_left(xs, x)
-    if i == 0:
-        return points[0][1]
-    if i == len(points):
-        return points[-1][1]
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
