@@ -42,12 +42,12 @@ import time
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
+from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.phases import PHASES
 from lightning_elixir.search.calibrate import Decision, StepMeasurement, reconsider
 from lightning_elixir.search.report import format_bytes, format_ms
@@ -318,12 +318,9 @@ def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
 
 def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
     """The median of each measured column over the steps, the largest over ranks."""
-    medians = [statistics.median(column) for column in zip(*samples)]
-    if runtime.group.world_size > 1:
-        values = torch.tensor(medians, dtype=torch.float64, device=runtime.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=runtime.group.pg)
-        medians = values.tolist()
-    step_s, *waits, peak = medians
+    medians = torch.tensor([statistics.median(column) for column in zip(*samples)], dtype=torch.float64,
+                           device=runtime.device)
+    step_s, *waits, peak = collectives.all_reduce_max(medians, runtime.group).tolist()
     phases = dict(zip(PHASES, waits))
     return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
                            offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
