@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import difflib
 import logging
@@ -15,6 +16,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -271,7 +273,12 @@ class ElixirStrategy(ParallelStrategy):
         self._set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if not _distributed_is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            # Lightning destroys only an NCCL group at exit. A gloo group left to the interpreter's
+            # finalization can abort the process (its worker threads still hold tensors), so a run
+            # that ended well would exit with SIGABRT now and then: destroy every group we made.
+            atexit.register(_destroy_dist_connection)
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         if trainer is not None:
             self.monitor(trainer)  # added before the callbacks' hooks run, so it sees the whole stage

@@ -438,6 +438,10 @@ def run_worker(args: argparse.Namespace) -> None:
         _write_json(os.path.join(args.out, f"rank{rank}.json"), {"error": classify(err)})
         raise
     _write_json(os.path.join(args.out, f"rank{rank}.json"), result)
+    # Lightning's DDP and ModelParallel strategies leave a gloo group to the interpreter's finalization,
+    # which aborts the process now and then. (Not after a failure: a rank may be stuck mid-collective.)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _write_json(path: str, data: Any) -> None:
