@@ -297,17 +297,18 @@ def _timed_callback(args: argparse.Namespace) -> Any:
 
     class StepTimer(Callback):
         def __init__(self) -> None:
-            self.times_s, self.losses, self.peaks, self.note, self.profiler = [], [], {}, "", None
+            self.times_s, self.cpu_s, self.losses, self.peaks, self.note, self.profiler = [], [], [], {}, "", None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if args.profile and batch_idx == args.warmup:
                 self.profiler = _start_profiler(trainer.strategy.root_device)
             sync(trainer)
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             sync(trainer)
             self.times_s.append(time.perf_counter() - self.start)
+            self.cpu_s.append(time.process_time() - self.start_cpu)
             self.losses.append(float(outputs["loss"]))
             if self.profiler is not None and batch_idx == args.warmup + args.profile_steps - 1:
                 self.profiler.stop()
@@ -396,7 +397,7 @@ def train(args: argparse.Namespace) -> dict:
         with open(os.path.join(args.out, "profile.txt"), "w") as f:
             f.write(profile_tables(timer.profiler, trainer.strategy.root_device.type == "cuda"))
     name = torch.cuda.get_device_name(trainer.strategy.root_device) if args.accelerator == "gpu" else "cpu"
-    return {"times_s": timer.times_s[args.warmup:], "losses": timer.losses, "n_params": n_params,
+    return {"times_s": timer.times_s[args.warmup:], "cpu_s": timer.cpu_s[args.warmup:], "losses": timer.losses, "n_params": n_params,
             "note": timer.note, "device_name": name, **timer.peaks}
 
 
@@ -512,7 +513,8 @@ def summarise(args: argparse.Namespace, ranks: list[dict]) -> dict:
         return dict(errors[0])
     step_s = max(statistics.median(r["times_s"]) for r in ranks)
     tokens = args.batch_size * args.block_size * args.devices
-    row = {"status": "ok", "step_s": step_s, "tokens_per_s": tokens / step_s, "n_params": ranks[0]["n_params"],
+    cpu_s = statistics.mean(statistics.median(r["cpu_s"]) for r in ranks)
+    row = {"status": "ok", "step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": tokens / step_s, "n_params": ranks[0]["n_params"],
            "peak_host_bytes": max(r["peak_host_bytes"] for r in ranks), "note": ranks[0]["note"],
            "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1]}
     if args.accelerator == "gpu":
@@ -582,7 +584,7 @@ def _cells(row: dict, ddp: Optional[dict], peer: Optional[dict], gpu: bool) -> l
     """A row's measured cells, from "step ms" to the last number."""
     if row["status"] != "ok":
         return [_status(row)]
-    cells = [f"{row['step_s'] * 1e3:.0f}", f"{row['tokens_per_s']:.0f}", _ratio(row, ddp), _ratio(row, peer),
+    cells = [f"{row['step_s'] * 1e3:.0f}", f"{row['cpu_s'] * 1e3:.0f}", f"{row['tokens_per_s']:.0f}", _ratio(row, ddp), _ratio(row, peer),
              f"{row['peak_host_bytes'] / 2**20:.0f}"]
     if gpu:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
@@ -594,7 +596,7 @@ def markdown_table(args: argparse.Namespace, rows: list[dict]) -> str:
     """One workload's rows, with ratios to DDP and to the best peer of the same budget."""
     gpu = args.accelerator == "gpu"
     lead = ["budget", "system"] if gpu else ["system"]
-    numbers = ["step ms", "tokens/s", "vs ddp", "vs best peer", "peak host MiB"]
+    numbers = ["step ms", "CPU ms", "tokens/s", "vs ddp", "vs best peer", "peak host MiB"]
     numbers += ["peak device GiB", "TFLOP/s", "MFU"] if gpu else []
     header = [*lead, *numbers, "notes"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -616,6 +618,7 @@ def report(args: argparse.Namespace, results: list[dict], load: float, elapsed_s
     print(f"{args.devices} x {args.accelerator}, {args.precision}, batch {args.batch_size}/rank x seq "
           f"{args.block_size}; {args.warmup} warm-up + median of {args.steps} steps (slowest rank), fastest of "
           f"{args.rounds} round(s); 1-minute load average before: {load:.2f}; {elapsed_s:.0f} s in all\n")
+    print("CPU ms: host CPU time of one step, all of a process's threads, the mean over ranks.\n")
     for workload in args.workload_list:
         rows = [r for r in results if r["workload"] == workload]
         params = next((r["n_params"] for r in rows if r["status"] == "ok"), None)

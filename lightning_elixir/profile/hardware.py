@@ -35,11 +35,12 @@ from lightning_elixir.profile.types import HardwareProfile, ProfileError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/lightning_elixir")
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 """Part of the cache file name. Bump it when HardwareProfile gains a measured field: a profile
 cached before would load with the field's default (v2: ``comm_overlap``, which defaults to 1.0;
 v3: ``op_overhead_s`` and the matmul, attention and elementwise points, which default to no
-overhead, every call at the peak matmul rate and bytes at the copy bandwidth)."""
+overhead, every call at the peak matmul rate and bytes at the copy bandwidth), or when what a
+field measures changes (v4: the reduce-scatter of CPU tensors became a direct exchange)."""
 # (size, speed) point fields: the worst case over ranks is the smallest speed at each size.
 _POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "matmul_points", "attention_points",
                  "attention_backward_points", "elementwise_points")

@@ -36,16 +36,19 @@ writing a file in a callback). ``DEFAULT_TIMEOUT_S`` is NCCL's own default timeo
 collective in torch (10 minutes), which jobs already run under on GPUs.
 
 [Note: reduce-scatter on gloo]
-On CPU tensors a reduce-scatter is an all-reduce of the full buffer, summed in place (the buffer
-is scratch: the chunk drops it once its shard is written), of which each rank reads its own part.
-Gloo's own reduce-scatter takes longer than its all-reduce of the same buffer although it needs
-half the traffic (2 ranks, 2 cores: 3.3 vs 2.0 ms at 1 MiB, 6.6 vs 5.5 ms at 4 MiB, 32.8 vs 15.6 ms
-at 16 MiB). The all-reduce is what DDP's buckets use, so a ZeRO-2 step moves its gradients as DDP
-does. A direct exchange (each rank sends every peer the peer's part, point to point, and adds what
-it receives) is faster still, 10.0 ms at 16 MiB against 21.6 ms for the all-reduce in the same run,
-and was tried: point-to-point messages of equal size match whatever the peer sends, so a rank whose
-module calls diverge from the others' no longer fails; it finishes its step on wrong sums. The
-collectives fail instead ([Note: bounded waits]), and that is worth more than the 10 ms.
+On CPU tensors a reduce-scatter is a direct exchange: each rank sends every peer the peer's part of
+its buffer, point to point, receives its own part from each of them, and adds. That moves the
+bytes a ring reduce-scatter moves, (N - 1) / N of the buffer per rank. Gloo's own reduce-scatter
+takes longer than even its all-reduce of the same buffer (2 ranks, 2 cores: 32.8 vs 15.6 ms at
+16 MiB); the exchange takes 10.0 ms there (against 21.6 ms for the all-reduce in the same run). An
+all-reduce would send twice the bytes, and a ZeRO step then moves 1.5x what DDP's all-reduce
+moves, counting the next forward's all-gather.
+
+Point-to-point messages match by peer and tag, not by the order of collectives, so the tag carries
+the group's count of collectives issued so far (``Group.issued``): a rank whose module calls
+diverged from the others' has issued a different number of gathers, posts a different tag, and
+its exchange waits, then fails as every unmatched collective does ([Note: bounded waits]). With a
+single tag, a diverged rank would pair its exchange with a peer's and finish its step on wrong sums.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -65,6 +68,8 @@ DEFAULT_TIMEOUT_S = 600.0
 """How long one collective may take before the ranks are taken to have diverged ([Note: bounded waits])."""
 _WAIT_SLICE_S = 1.0
 """Longest host wait between chances for Python signal handlers to run."""
+_MAX_TAG = 2 ** 30
+"""Point-to-point tags run over 1.._MAX_TAG (tag 0 is ``gather_to_first``'s)."""
 
 
 class RankDivergenceError(RuntimeError):
@@ -84,6 +89,14 @@ class Group:
     timeout_s: Optional[float] = DEFAULT_TIMEOUT_S
     """Longest wait for one collective before ``RankDivergenceError`` ([Note: bounded waits]). None: no
     bound of its own (the process group's timeout applies)."""
+    issued: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    """How many collectives this group has issued (one cell, shared by copies of the group): the
+    tag of a point-to-point exchange ([Note: reduce-scatter on gloo])."""
+
+    def next_tag(self) -> int:
+        """Count one more collective; the tag its point-to-point messages carry."""
+        self.issued[0] += 1
+        return self.issued[0] % _MAX_TAG + 1
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -220,6 +233,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
         if group.world_size == 1:
             out.copy_(shard)
             return _Done() if async_op else None
+        group.next_tag()
         work = _ALL_GATHER(_pg(group), out, shard, _options(dist.distributed_c10d.AllgatherOptions(), group, async_op))
         return _issue(work, group, _describe("all-gather", out, chunk), out, async_op)
 
@@ -235,6 +249,7 @@ def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Gro
                 out.copy_(shard)
             return
         what = _describe("gather to rank 0", shard, chunk)
+        group.next_tag()
         if group.rank != 0:
             _issue(_pg(group).send([shard], 0, 0), group, what, shard, async_op=False)
             return
@@ -258,22 +273,55 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
             out.copy_(full)
             return _Done() if async_op else None
         what = _describe("reduce-scatter of gradients", full, chunk)
+        tag = group.next_tag()
         if full.device.type == "cpu":
-            opts = _options(dist.distributed_c10d.AllreduceOptions(), group, async_op)
-            opts.reduceOp = dist.ReduceOp.SUM
-            work = _pg(group).allreduce([full], opts)
-            n = out.numel()
-            mine = full[group.rank * n:(group.rank + 1) * n]
-            then = None if out.data_ptr() == mine.data_ptr() else (lambda: out.copy_(mine))  # else read in place
-            return _issue(work, group, what, out, async_op, then=then)
+            return _exchange(out, full, group, tag, what, async_op)
         opts = _options(dist.distributed_c10d.ReduceScatterOptions(), group, async_op)
         opts.reduceOp = dist.ReduceOp.SUM
         work = _REDUCE_SCATTER(_pg(group), out, full, opts)
         return _issue(work, group, what, out, async_op)
 
 
+def _exchange(out: torch.Tensor, full: torch.Tensor, group: Group, tag: int, what: str, async_op: bool) -> Any:
+    """The reduce-scatter of CPU tensors: parts exchanged point to point, then added ([Note:
+    reduce-scatter on gloo]). This rank's part of ``full`` is summed in place."""
+    pg, n, rank = _pg(group), out.numel(), group.rank
+    peers = [r for r in range(group.world_size) if r != rank]
+    received = torch.empty((len(peers), n), dtype=full.dtype)
+    works = [pg.send([full[r * n:(r + 1) * n]], r, tag) for r in peers]
+    works += [pg.recv([received[i]], r, tag) for i, r in enumerate(peers)]
+    mine = full[rank * n:(rank + 1) * n]
+
+    def add() -> None:
+        for part in received:
+            mine.add_(part)
+        if out.data_ptr() != mine.data_ptr():  # else read in place
+            out.copy_(mine)
+
+    return _issue(_AllOf(works), group, what, out, async_op, then=add)
+
+
+class _AllOf:
+    """Several work handles waited for as one (the messages of one exchange)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 def _all_reduce(tensor: torch.Tensor, group: Group, op: Any, name: str) -> torch.Tensor:
     if group.world_size > 1:
+        group.next_tag()
         opts = _options(dist.distributed_c10d.AllreduceOptions(), group, async_op=False)
         opts.reduceOp = op
         work = _pg(group).allreduce([tensor], opts)
@@ -294,6 +342,7 @@ def all_reduce_max(tensor: torch.Tensor, group: Group) -> torch.Tensor:
 def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``src``'s copy (``src`` is a rank of the group)."""
     if group.world_size > 1:
+        group.next_tag()
         opts = _options(dist.distributed_c10d.BroadcastOptions(), group, async_op=False)
         opts.rootRank = src  # the process group's own methods take ranks of the group
         opts.rootTensor = 0
