@@ -9,7 +9,7 @@ memory because every micro-batch writes it.
 
 The reduce-scatter of an offloaded chunk lands its gradient in the host shard when the reduction is
 retired (two reductions later, or at the end of backward: [Note: reductions in flight] in
-runtime.py). When the optimizer steps, the user's ``optimizer.step()`` updates the device chunks on
+reductions.py). When the optimizer steps, the user's ``optimizer.step()`` updates the device chunks on
 the main thread and the offloaded chunks are handed to one worker thread, in the order the next
 forward needs them (private chunks, then public chunks in first-use order). Per chunk the worker
 reads the NVMe record (the next chunk's read is issued before this chunk's update: read-ahead),

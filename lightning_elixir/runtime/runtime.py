@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, REDUCE_BUFFERS, ElixirPlan
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
@@ -26,6 +26,7 @@ from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_give
 from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
 from lightning_elixir.runtime.policy import PrecisionPolicy
+from lightning_elixir.runtime.reductions import Reductions
 from lightning_elixir.runtime.state_dict import per_element_nbytes
 from lightning_elixir.runtime.states import ChunkState
 from lightning_elixir.runtime.timeline import TimelineRecorder
@@ -98,17 +99,12 @@ class ElixirRuntime:
         if self.plan.cache_blocks == CACHE_MIN:
             self.cache.capacity = max([len(s.public_ids) for s in self.states] + [1])
         self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
-        self._reduce_order = [c for c in reversed(self.public) if c.grad_requiring] + [c for c in self.private if c.grad_requiring]
-        self._next_reduce = 0
-        """The next chunk in ``_reduce_order`` to reduce-scatter in this backward."""
-        self._next_retire = 0
-        """The next chunk in ``_reduce_order`` to retire; those from it up to ``_next_reduce`` are in flight."""
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
         self._views: dict[int, nn.Parameter] = {}
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
-        self._grad_valid = {c.index: False for c in self.chunks}
+        self.reductions = Reductions(self.chunks, self.offload, self._chunk_views)
         for chunk in self.chunks:
             for slot in chunk.slots:
                 chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
@@ -155,7 +151,7 @@ class ElixirRuntime:
 
     def grad_valid(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s gradient shard holds this step's reduced gradient."""
-        return self._grad_valid[chunk.index]
+        return self.reductions.valid[chunk.index]
 
     def param_ids(self) -> set[int]:
         """ids of every parameter the chunks hold."""
@@ -280,50 +276,11 @@ class ElixirRuntime:
             chunk.add_grad(slot, param.grad)
             param.grad = None
             if chunk.grads_complete:
-                self._launch_ready_reduces()
+                self.reductions.start_ready()
             state = self._owner.get(id(param))
             if state is not None and id(param) in state.trainable:
                 for call in list(state.calls):
                     self.call_event(call, id(param))
-
-    def _launch_ready_reduces(self) -> None:
-        """Start reduce-scatters in the fixed order while the next chunk in it is complete."""
-        order = self._reduce_order
-        while self._next_reduce < len(order) and order[self._next_reduce].grads_complete:
-            self._launch_next_reduce()
-
-    def _launch_next_reduce(self) -> None:
-        """Start the next reduce-scatter in the order; retire the oldest beyond ``REDUCE_BUFFERS`` in flight.
-
-        [Note: reductions in flight]
-        A chunk holds a full-size gradient buffer from its first gradient until its reduction is
-        retired. Retiring each one only at the end of backward would leave every rank holding the
-        whole model's gradient there; retiring the oldest once ``REDUCE_BUFFERS`` are in flight keeps
-        that many buffers waiting on the network while later chunks are computed (FSDP2 keeps one by default).
-        Retiring waits for the collective: on a GPU the compute stream waits, and for an offloaded
-        chunk the host waits for its shard to land. Retiring mid-backward is the end-of-backward
-        retirement moved earlier: the gathered gradients were flushed when backward began
-        (``_begin_backward``), and a retired chunk gets no more gradients in this backward (each
-        parameter's gradient arrives once).
-        """
-        self._start_reduce(self._reduce_order[self._next_reduce])
-        self._next_reduce += 1
-        while self._next_reduce - self._next_retire > REDUCE_BUFFERS:
-            self._retire_reduce()
-
-    def _start_reduce(self, chunk: Chunk) -> None:
-        """Reduce-scatter; an offloaded chunk on a GPU also starts copying its shard to the host."""
-        stream = self.offload.copy_stream if chunk.offloaded else None
-        chunk.start_reduce(stream, accumulate=stream is not None and self._accumulates(chunk))
-
-    def _retire_reduce(self) -> None:
-        """Finish the oldest reduction in flight: its shard holds this backward's gradient, its buffers go."""
-        chunk = self._reduce_order[self._next_retire]
-        chunk.finish_reduce(accumulate=self._accumulates(chunk))
-        self._grad_valid[chunk.index] = True
-        self._publish_grad(chunk)
-        chunk.reset_grad_tracking()
-        self._next_retire += 1
 
     def _begin_backward(self) -> None:
         """The first event of a backward: queue its end, and keep changes to gathered gradients first.
@@ -343,11 +300,7 @@ class ElixirRuntime:
         with record_function("Elixir::finish_backward"):
             self._callback_queued = False
             self._drop_recompute_pins()
-            while self._next_reduce < len(self._reduce_order):
-                self._launch_next_reduce()
-            while self._next_retire < self._next_reduce:
-                self._retire_reduce()
-            self._next_reduce = self._next_retire = 0
+            self.reductions.finish()
             self._release_backward_calls()
             self.access.release_sticky()
             self.cache.shrink()
@@ -363,19 +316,6 @@ class ElixirRuntime:
     def _chunk_views(self, chunk: Chunk) -> list[tuple[Slot, nn.Parameter]]:
         return [(s, self._views[id(s.param)]) for s in chunk.slots if id(s.param) in self._views]
 
-    def _accumulates(self, chunk: Chunk) -> bool:
-        """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
-        if not self._grad_valid[chunk.index]:
-            return False
-        views = [v for _, v in self._chunk_views(chunk) if v.requires_grad]
-        return not views or any(v.grad is not None for v in views)
-
-    def _publish_grad(self, chunk: Chunk) -> None:
-        for slot, view in self._chunk_views(chunk):
-            if view.requires_grad:
-                begin, end = chunk.shard_range(slot)
-                view.grad = chunk.grad_shard[begin:end]
-
     def forget_grad(self, param: nn.Parameter) -> None:
         """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
         chunk, slot = self._where[id(param)]
@@ -388,7 +328,7 @@ class ElixirRuntime:
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the optimizer's own zero_grad does the same through views)."""
-        self._grad_valid = {c.index: False for c in self.chunks}
+        self.reductions.forget()
         self.access.drop_grads()
         for view in self._views.values():
             view.grad = None
@@ -411,7 +351,7 @@ class ElixirRuntime:
 
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shards, one per chunk that has trainable parameters."""
-        return [c.grad_shard for c in self.chunks if c.grad_requiring and self._grad_valid[c.index]]
+        return [c.grad_shard for c in self.chunks if c.grad_requiring and self.reductions.valid[c.index]]
 
     def before_step(self) -> None:
         """The optimizer is about to update the masters: keep what code wrote to gathered values first."""
@@ -553,6 +493,7 @@ class ElixirRuntime:
         self.remove_hooks()
         self.offload.close()
         self.chunks, self.public, self.private = [], [], []
+        self.reductions = Reductions([], self.offload, self._chunk_views)
         self._where.clear()
         self._views.clear()
         self.grad_buffers.clear()

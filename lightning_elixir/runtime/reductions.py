@@ -1,0 +1,91 @@
+"""The gradient reductions of one backward: started in a fixed order, a bounded number in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from lightning_elixir.plan import REDUCE_BUFFERS
+from lightning_elixir.runtime.chunk import Chunk, Slot
+
+
+class Reductions:
+    """Reduce-scatters each chunk's full gradient into its shard, in the order backward completes them.
+
+    The order is fixed (public chunks last to first, then the private ones) so that every rank issues
+    the same collectives. ``offload`` starts an offloaded chunk's reduced shard on its way to the
+    host (runtime/offload.py); ``views`` gives a chunk's optimizer views, which see the reduced
+    gradient shards once a reduction retires.
+
+    [Note: reductions in flight]
+    A chunk holds a full-size gradient buffer from its first gradient until its reduction is
+    retired. Retiring each one only at the end of backward would leave every rank holding the
+    whole model's gradient there; retiring the oldest once ``REDUCE_BUFFERS`` are in flight keeps
+    that many buffers waiting on the network while later chunks are computed (FSDP2 keeps one by default).
+    Retiring waits for the collective: on a GPU the compute stream waits, and for an offloaded
+    chunk the host waits for its shard to land. Retiring mid-backward is the end-of-backward
+    retirement moved earlier: the gathered gradients were flushed when backward began
+    (``ElixirRuntime._begin_backward``), and a retired chunk gets no more gradients in this backward
+    (each parameter's gradient arrives once).
+    """
+
+    def __init__(self, chunks: list[Chunk], offload: Any,
+                 views: Callable[[Chunk], list[tuple[Slot, nn.Parameter]]]) -> None:
+        public = [c for c in chunks if not c.private]
+        private = [c for c in chunks if c.private]
+        self.order = [c for c in reversed(public) if c.grad_requiring] + [c for c in private if c.grad_requiring]
+        self.offload = offload
+        self.views = views
+        self.valid = {c.index: False for c in chunks}
+        """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
+        self._next_start = 0
+        """The next chunk in ``order`` to reduce in this backward."""
+        self._next_retire = 0
+        """The next chunk in ``order`` to retire; those from it up to ``_next_start`` are in flight."""
+
+    def start_ready(self) -> None:
+        """Start reductions in the fixed order while the next chunk in it has all its gradients."""
+        while self._next_start < len(self.order) and self.order[self._next_start].grads_complete:
+            self._start_next()
+
+    def finish(self) -> None:
+        """End of backward: reduce what is left (missing gradients count as zero), retire everything."""
+        while self._next_start < len(self.order):
+            self._start_next()
+        while self._next_retire < self._next_start:
+            self._retire()
+        self._next_start = self._next_retire = 0
+
+    def forget(self) -> None:
+        """Gradients were zeroed: the next backward overwrites the shards rather than adding to them."""
+        self.valid = dict.fromkeys(self.valid, False)
+
+    def _start_next(self) -> None:
+        """Start the next reduction; retire the oldest beyond ``REDUCE_BUFFERS`` in flight."""
+        chunk = self.order[self._next_start]
+        stream = self.offload.copy_stream if chunk.offloaded else None
+        chunk.start_reduce(stream, accumulate=stream is not None and self._accumulates(chunk))
+        self._next_start += 1
+        while self._next_start - self._next_retire > REDUCE_BUFFERS:
+            self._retire()
+
+    def _retire(self) -> None:
+        """Finish the oldest reduction in flight: its shard holds this backward's gradient, its buffers go."""
+        chunk = self.order[self._next_retire]
+        chunk.finish_reduce(accumulate=self._accumulates(chunk))
+        self.valid[chunk.index] = True
+        for slot, view in self.views(chunk):
+            if view.requires_grad:
+                begin, end = chunk.shard_range(slot)
+                view.grad = chunk.grad_shard[begin:end]
+        chunk.reset_grad_tracking()
+        self._next_retire += 1
+
+    def _accumulates(self, chunk: Chunk) -> bool:
+        """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
+        if not self.valid[chunk.index]:
+            return False
+        views = [v for _, v in self.views(chunk) if v.requires_grad]
+        return not views or any(v.grad is not None for v in views)
