@@ -40,12 +40,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_elixir.plan import ElixirPlan, PlanError
-from lightning_elixir.planner import search_options, with_private_params
-from lightning_elixir.profile import HardwareProfile, ModelProfile, ProfileError, profile_model
+from lightning_elixir.plan import PlanError
+from lightning_elixir.planner import PlanningResult, search_options, with_private_params
+from lightning_elixir.profile import HardwareProfile, ProfileError, profile_model
 from lightning_elixir.profile.assumed import AssumedValues, host_conversions
 from lightning_elixir.runtime.policy import PrecisionPolicy
-from lightning_elixir.search import NoPlanFitsError, SearchReport, parse_memory_limit, search
+from lightning_elixir.search import NoPlanFitsError, parse_memory_limit, search
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.report import format_bytes, format_ms
 
@@ -215,22 +215,8 @@ def _first_batch(source: Any) -> Any:
     return next(iter(loader))
 
 
-@dataclass(frozen=True)
-class PlanResult:
-    """A searched plan and what it was searched from."""
-
-    plan: ElixirPlan
-    """The plan, for ``ElixirStrategy(plan=...)``."""
-    report: SearchReport
-    """The search's report: candidates, cost and memory breakdown, lower bound."""
-    profile: ModelProfile
-    """The profiled step."""
-    notes: tuple[str, ...]
-    """What the user should know about the inputs (assumptions, mismatches)."""
-
-
 def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, device_memory_limit: Any = None,
-                host_memory_limit: Any = None, nvme: bool = False) -> PlanResult:
+                host_memory_limit: Any = None, nvme: bool = False) -> PlanningResult:
     """Profile ``inputs`` on fake tensors and search a plan for ``devices`` ranks of ``hardware``.
 
     Raises:
@@ -247,7 +233,8 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
     options = search_options(devices, inputs.micro_batches, policy.compute_dtype, policy.autocast_dtype,
                              nvme_available=nvme, host_memory_bytes=host_bytes)
     plan, report = search(profile, hardware, budget, options)
-    return PlanResult(plan, report, profile, _notes(hardware, devices, host_bytes))
+    return PlanningResult(plan, report, profile, hardware, budget, options=options,
+                          notes=_notes(hardware, devices, host_bytes))
 
 
 def _ranks_per_machine(hardware: HardwareProfile, devices: int) -> int:
@@ -285,13 +272,13 @@ def _notes(hardware: HardwareProfile, devices: int, host_bytes: Optional[int]) -
     return tuple(notes)
 
 
-def describe(result: PlanResult, inputs: ConfigInputs, hardware: HardwareProfile, devices: int) -> str:
+def describe(result: PlanningResult, inputs: ConfigInputs, hardware: HardwareProfile, devices: int) -> str:
     """The printed result: what was planned, the plan, the search report and the caveats."""
     plan, report = result.plan, result.report
     placed = {p: sum(c.placement == p for c in plan.chunks) for p in ("device", "cpu", "nvme")}
     shapes = [tuple(t.shape) for t in _tensors(inputs.batch)]
     lines = [
-        f"model: {type(inputs.module).__name__}, {result.profile.total_numel:,} parameters, precision "
+        f"model: {type(inputs.module).__name__}, {result.model_profile.total_numel:,} parameters, precision "
         f"{inputs.precision}, batch {shapes}, {inputs.micro_batches} micro-batch(es) per step",
         f"hardware: {hardware.device_name} x{hardware.device_count} per machine (profiled with "
         f"{hardware.world_size} rank(s)), planning for {devices} rank(s), budget {format_bytes(report.budget_bytes)} "

@@ -88,6 +88,8 @@ class PlanningResult:
     seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Wall seconds of each part of planning on this rank: "hardware" (measured, or read from the
     cache or the user's profile), "profile" (the step traced on fake tensors), "search"."""
+    notes: tuple[str, ...] = ()
+    """What the user should know about the inputs (assumptions, mismatches); the plan CLI prints them."""
 
 
 @dataclass(frozen=True)
