@@ -32,7 +32,6 @@ from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.search import evaluate_plan
 from lightning_elixir.search.calibrate import scale_collectives
 from tests.test_resume import COLLECTIVE_TIMEOUT, RankLosses, TinyGPT, fit_on_ranks, rank_losses
-import tests.test_resume as resume
 
 CONFIG = GPTConfig(vocab_size=4096, block_size=64, n_layer=4, n_head=4, n_embd=384, bias=False)
 BUDGET = "375MiB"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lightning_elixir.profile.model import profile_model
 from lightning_elixir.profile.stand_ins import quiet_logging

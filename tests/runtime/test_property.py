@@ -11,7 +11,6 @@ over ranks must equal the single process's gradient of the mean loss over the wh
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import dataclass
 from typing import Any, Optional, Union

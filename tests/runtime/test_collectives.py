@@ -1,0 +1,59 @@
+"""The collectives on gloo CPU tensors: the point-to-point reduce-scatter against a plain sum, with
+several in flight and waited for out of order, at an odd world size."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.collectives import Group
+from tests.distributed import run_distributed
+
+WORLD_SIZE = 3
+NUMEL = 3 * 1000
+
+
+def _full(rank: int, index: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * index + rank)).to(dtype)
+
+
+def _reduce(rank: int, world_size: int) -> dict:
+    group = Group.default()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        fulls = [_full(rank, i, dtype) for i in range(4)]
+        shards = [torch.empty(NUMEL // world_size, dtype=dtype) for _ in range(3)]
+        n = NUMEL // world_size
+        shards.append(fulls[3][rank * n:(rank + 1) * n])  # the last one read in place
+        pending = [collectives.reduce_scatter(shards[i], fulls[i], group, async_op=True, chunk=i) for i in range(4)]
+        gathered = torch.empty(NUMEL, dtype=dtype)
+        mine = torch.full((NUMEL // world_size,), float(rank + 1), dtype=dtype)
+        collectives.all_gather(gathered, mine, group)  # a collective while the reductions are in flight
+        for work in reversed(pending):
+            work.wait()
+        out[str(dtype)] = {"shards": [s.clone() for s in shards], "gathered": gathered}
+    out["issued"] = group.issued[0]
+    return out
+
+
+def test_reduce_scatter_sums_each_rank_part_whatever_the_order_of_waits():
+    results = run_distributed(_reduce, WORLD_SIZE)
+    n = NUMEL // WORLD_SIZE
+    for dtype in (torch.float32, torch.bfloat16):
+        for i in range(4):
+            fulls = [_full(r, i, dtype) for r in range(WORLD_SIZE)]
+            for rank, result in enumerate(results):
+                got = result[str(dtype)]["shards"][i]
+                # Each rank adds the others' parts to its own in rank order; bf16 sums round per addition.
+                expected = fulls[rank][rank * n:(rank + 1) * n].clone()
+                for r in range(WORLD_SIZE):
+                    if r != rank:
+                        expected += fulls[r][rank * n:(rank + 1) * n]
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+                exact = sum(f[rank * n:(rank + 1) * n].double() for f in fulls)
+                torch.testing.assert_close(got.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                           atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+        ranks = torch.arange(1, WORLD_SIZE + 1, dtype=dtype).repeat_interleave(n)
+        for result in results:
+            torch.testing.assert_close(result[str(dtype)]["gathered"], ranks, rtol=0, atol=0)
+    assert len({r["issued"] for r in results}) == 1, "every rank counted the same collectives"
