@@ -20,7 +20,7 @@ FAILURES = ("OOM", "failed", "not installable")
 
 def _rank(step_s: float, **extra) -> dict:
     """One rank's results as a worker writes them."""
-    return {"times_s": [step_s] * 3, "losses": [5.0, 4.0], "n_params": 1000, "note": "", "device_name": "cpu",
+    return {"times_s": [step_s] * 3, "cpu_s": [0.9 * step_s] * 3, "losses": [5.0, 4.0], "n_params": 1000, "note": "", "device_name": "cpu",
             "peak_host_bytes": 2**30, "peak_device_bytes": None, **extra}
 
 
@@ -72,9 +72,14 @@ def test_table_keeps_failed_rows_and_ratios_against_ddp_and_the_best_peer():
             {"workload": "gpt", "budget": None, "system": "elixir_zero2", **harness.summarise(args, [_rank(0.4)])},
             {"workload": "gpt", "budget": None, "system": "deepspeed_zero2", "status": "not installable",
              "reason": "import deepspeed: No module named 'deepspeed'"}]
+    rows[0]["rounds"], rows[2]["rounds"] = [0.2, 0.3], [0.4, 0.25]  # per round: 0.5x and 1.2x DDP
     table = harness.markdown_table(args, rows)
-    elixir = next(line for line in table.splitlines() if line.startswith("| elixir_zero2 |")).split(" | ")
-    assert elixir[3:5] == ["0.50", "0.25"]  # half DDP's tokens/s, a quarter of fsdp2's (the best peer)
+    header = table.splitlines()[0].strip("| ").split(" | ")
+    elixir = next(line for line in table.splitlines() if line.startswith("| elixir_zero2 |")).strip("| ").split(" | ")
+    cell = dict(zip(header, elixir))
+    assert (cell["vs ddp"], cell["vs best peer"]) == ("0.50", "0.25")  # half DDP's tokens/s, a quarter of fsdp2's
+    assert cell["vs ddp, paired"] == "0.85"  # the median of the rounds' ratios
+    assert cell["CPU ms"] == "360"
     assert "| deepspeed_zero2 | not installable: import deepspeed" in table
     assert "best peer: fsdp2" in table
 

@@ -580,11 +580,23 @@ def _ratio(row: dict, base: Optional[dict]) -> str:
     return f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and row["status"] == "ok" else "-"
 
 
+def paired_ratio(row: dict, base: Optional[dict]) -> Optional[float]:
+    """The median over rounds of ``base``'s step time over ``row``'s in the same round: on a noisy
+    machine, steadier than the ratio of the best rounds (each round runs both within minutes)."""
+    if not base or row["status"] != "ok" or base["status"] != "ok":
+        return None
+    pairs = [(b, r) for b, r in zip(base.get("rounds", ()), row.get("rounds", ()))
+             if isinstance(b, float) and isinstance(r, float)]
+    return statistics.median(b / r for b, r in pairs) if pairs else None
+
+
 def _cells(row: dict, ddp: Optional[dict], peer: Optional[dict], gpu: bool) -> list[str]:
     """A row's measured cells, from "step ms" to the last number."""
     if row["status"] != "ok":
         return [_status(row)]
-    cells = [f"{row['step_s'] * 1e3:.0f}", f"{row['cpu_s'] * 1e3:.0f}", f"{row['tokens_per_s']:.0f}", _ratio(row, ddp), _ratio(row, peer),
+    paired = paired_ratio(row, ddp)
+    cells = [f"{row['step_s'] * 1e3:.0f}", f"{row['cpu_s'] * 1e3:.0f}", f"{row['tokens_per_s']:.0f}", _ratio(row, ddp),
+             "-" if paired is None else f"{paired:.2f}", _ratio(row, peer),
              f"{row['peak_host_bytes'] / 2**20:.0f}"]
     if gpu:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
@@ -596,7 +608,7 @@ def markdown_table(args: argparse.Namespace, rows: list[dict]) -> str:
     """One workload's rows, with ratios to DDP and to the best peer of the same budget."""
     gpu = args.accelerator == "gpu"
     lead = ["budget", "system"] if gpu else ["system"]
-    numbers = ["step ms", "CPU ms", "tokens/s", "vs ddp", "vs best peer", "peak host MiB"]
+    numbers = ["step ms", "CPU ms", "tokens/s", "vs ddp", "vs ddp, paired", "vs best peer", "peak host MiB"]
     numbers += ["peak device GiB", "TFLOP/s", "MFU"] if gpu else []
     header = [*lead, *numbers, "notes"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -618,7 +630,8 @@ def report(args: argparse.Namespace, results: list[dict], load: float, elapsed_s
     print(f"{args.devices} x {args.accelerator}, {args.precision}, batch {args.batch_size}/rank x seq "
           f"{args.block_size}; {args.warmup} warm-up + median of {args.steps} steps (slowest rank), fastest of "
           f"{args.rounds} round(s); 1-minute load average before: {load:.2f}; {elapsed_s:.0f} s in all\n")
-    print("CPU ms: host CPU time of one step, all of a process's threads, the mean over ranks.\n")
+    print("CPU ms: host CPU time of one step, all of a process's threads, the mean over ranks. vs ddp: "
+          "tokens/s over DDP's, best rounds; paired: the median over rounds of the same ratio within a round.\n")
     for workload in args.workload_list:
         rows = [r for r in results if r["workload"] == workload]
         params = next((r["n_params"] for r in rows if r["status"] == "ok"), None)
