@@ -128,3 +128,15 @@ def test_search_quality_runs_the_self_correction_and_compares_memory_for_llama()
         assert section in out, out
     summary = next(line for line in out.splitlines() if line.startswith("over all "))
     assert "pred/meas" in summary and "goal within 5%" in summary
+
+
+def test_overhead_compares_the_runtime_with_the_plain_module_at_world_size_one(capsys):
+    from examples.benchmarks import overhead
+
+    overhead.main(["--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "64",
+                   "--block-size", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1", "--top", "1000"])
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"plain", "zero2", "zero3"} <= set(rows)
+    assert "| Elixir::pre_forward | 0.0 |" in out  # the runtime's hooks are listed, and cost nothing in plain
+    assert "a sharded optimizer on 2 ranks saves" in out
