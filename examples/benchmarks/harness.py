@@ -397,8 +397,8 @@ def train(args: argparse.Namespace) -> dict:
         with open(os.path.join(args.out, "profile.txt"), "w") as f:
             f.write(profile_tables(timer.profiler, trainer.strategy.root_device.type == "cuda"))
     name = torch.cuda.get_device_name(trainer.strategy.root_device) if args.accelerator == "gpu" else "cpu"
-    return {"times_s": timer.times_s[args.warmup:], "cpu_s": timer.cpu_s[args.warmup:], "losses": timer.losses, "n_params": n_params,
-            "note": timer.note, "device_name": name, **timer.peaks}
+    return {"times_s": timer.times_s[args.warmup:], "cpu_s": timer.cpu_s[args.warmup:], "losses": timer.losses,
+            "n_params": n_params, "note": timer.note, "device_name": name, **timer.peaks}
 
 
 def profile_tables(profiler: Any, on_gpu: bool, rows: int = 15) -> str:
@@ -514,9 +514,9 @@ def summarise(args: argparse.Namespace, ranks: list[dict]) -> dict:
     step_s = max(statistics.median(r["times_s"]) for r in ranks)
     tokens = args.batch_size * args.block_size * args.devices
     cpu_s = statistics.mean(statistics.median(r["cpu_s"]) for r in ranks)
-    row = {"status": "ok", "step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": tokens / step_s, "n_params": ranks[0]["n_params"],
-           "peak_host_bytes": max(r["peak_host_bytes"] for r in ranks), "note": ranks[0]["note"],
-           "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1]}
+    row = {"status": "ok", "step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": tokens / step_s,
+           "n_params": ranks[0]["n_params"], "peak_host_bytes": max(r["peak_host_bytes"] for r in ranks),
+           "note": ranks[0]["note"], "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1]}
     if args.accelerator == "gpu":
         flops = flops_per_token(row["n_params"], args.n_layer, args.n_embd, args.block_size) * tokens
         peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
