@@ -11,11 +11,12 @@ import json
 import math
 import numbers
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 PLACEMENTS = ("device", "cpu", "nvme")
 ALIGN_NUMEL = 64
@@ -23,6 +24,7 @@ ALIGN_NUMEL = 64
 the same pointer alignment as for separately allocated tensors (BLAS results can depend on it)."""
 CACHE_ALL = "all"
 CACHE_MIN = "min"
+_MIN_PLUS = re.compile(r"min\+([0-9]+)")
 REDUCE_BUFFERS = 2
 """Gradient reduce-scatters the runtime keeps in flight in backward: starting one more finishes the
 oldest, so that at most this many full-chunk gradient buffers wait on a reduction while later chunks
@@ -37,6 +39,14 @@ def _got(value: Any) -> str:
     """``value`` as an error message shows it: its type and its repr (shortened)."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def spare_blocks(cache_blocks: Union[int, str]) -> Optional[int]:
+    """K of a ``cache_blocks`` of "min" (0) or "min+K"; None for an int or "all"."""
+    if cache_blocks == CACHE_MIN:
+        return 0
+    match = _MIN_PLUS.fullmatch(cache_blocks) if isinstance(cache_blocks, str) else None
+    return int(match.group(1)) if match else None
 
 
 def _is_int(value: Any) -> bool:
@@ -110,7 +120,8 @@ class ElixirPlan:
     elements (or the whole model) and the largest parameter, at most 32M elements."""
     cache_blocks: Union[int, str] = CACHE_ALL
     """Chunk-sized blocks for gathered public chunks: an int, "all" (ZeRO-2: nothing is re-gathered
-    within a step) or "min" (ZeRO-3: the fewest blocks the model's modules need at once)."""
+    within a step), "min" (the fewest blocks the model's modules need at once, grown when backward
+    needs more) or "min+K" (K blocks more than "min", room to prefetch into; ZeRO-3 is "min+1")."""
     prefetch_depth: int = 2
     """How many upcoming chunks are gathered ahead of use (0 disables prefetch). Two hide a
     gather's latency behind the next access without crowding compute (measured on CPU/gloo)."""
@@ -125,10 +136,10 @@ class ElixirPlan:
 
     def __post_init__(self) -> None:
         _check_int(self, "chunk_numel", "plan", 1, optional=True)
-        blocks = f"an int >= 1, {CACHE_ALL!r} or {CACHE_MIN!r}"
+        blocks = f"an int >= 1, {CACHE_ALL!r}, {CACHE_MIN!r} or 'min+K' (K an int)"
         if _is_int(self.cache_blocks):
             _check_int(self, "cache_blocks", "plan", 1)
-        elif not isinstance(self.cache_blocks, str) or self.cache_blocks not in (CACHE_ALL, CACHE_MIN):
+        elif self.cache_blocks != CACHE_ALL and spare_blocks(self.cache_blocks) is None:
             raise PlanError(f"plan field 'cache_blocks' must be {blocks}, got {_got(self.cache_blocks)}")
         _check_int(self, "prefetch_depth", "plan", 0)
         chunks = _as_tuple(self, "chunks", "plan", "a list of chunks")
@@ -331,6 +342,9 @@ def pack_chunks(
 
 PRESETS: Mapping[str, ElixirPlan] = MappingProxyType({
     "zero2": ElixirPlan(cache_blocks=CACHE_ALL, name="zero2"),
-    "zero3": ElixirPlan(cache_blocks=CACHE_MIN, name="zero3"),
+    # The chunks one module needs, and one block to gather the next module's chunk into while it runs
+    # (FSDP's forward and backward prefetch). Without the spare block nothing can be prefetched: at
+    # "min", every gather waits in the open (5-10% of a step on the harness's GPT, CPU/gloo).
+    "zero3": ElixirPlan(cache_blocks="min+1", prefetch_depth=1, name="zero3"),
 })
 """Fixed plans for comparison runs, registered as the strategy names "elixir_zero2"/"elixir_zero3"."""

@@ -43,7 +43,8 @@ def gpt_profile():
 
 
 @pytest.mark.parametrize("chunk_numel", [4097, 12000])
-@pytest.mark.parametrize("blocks,prefetch", [("all", 1), ("min", 0), ("min", 1), (2, 0), (3, 1), (3, 2), (5, 2)])
+@pytest.mark.parametrize("blocks,prefetch", [("all", 1), ("min", 0), ("min", 1), ("min+1", 1), ("min+2", 2),
+                                                  (2, 0), (3, 1), (3, 2), (5, 2)])
 def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, chunk_numel, blocks, prefetch):
     base, profile = gpt_profile
     layout = build_layout(profile, chunk_numel, world_size=1)
@@ -58,8 +59,9 @@ def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, chunk_numel, b
         optimizer_step(runtime, opt)
         opt.zero_grad()
         per_step.append(runtime.cache.gathers + runtime.private_gathers - before)
-    expected = simulate_gathers(plan, profile).gathers
-    assert per_step[1] == per_step[2] == expected
+    simulated = simulate_gathers(plan, profile)
+    assert per_step[1] == per_step[2] == simulated.gathers
+    assert runtime.cache.capacity == simulated.cache_blocks
 
 
 def test_a_budget_below_the_minimum_fails_before_training_with_the_minimum():

@@ -144,7 +144,7 @@ class ChunkCache:
             needed = sorted({c.index for c in self.gathered.values() if c.pins} | set(protect))
             raise CacheTooSmallError(
                 f"the plan's cache_blocks={self.capacity} is too small: {len(needed)} chunks {needed} are needed at "
-                f"once; set cache_blocks to at least {len(needed)}, or use cache_blocks='min' (ZeRO-3: the "
+                f"once; set cache_blocks to at least {len(needed)}, or use cache_blocks='min' (the "
                 f"fewest blocks, grown as needed), cache_blocks='all' (ZeRO-2: every chunk stays gathered) or "
                 f"plan='auto'")
         self.capacity += 1

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan, spare_blocks
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
@@ -92,12 +92,13 @@ class ElixirRuntime:
         self.private = [c for c in self.chunks if c.private]
         self._where: dict[int, tuple[Chunk, Slot]] = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
         self.handles: list[Any] = []
-        grow = grow_cache or self.plan.cache_blocks == CACHE_MIN
-        self.cache = ChunkCache(self.public, self._capacity(), grow, self.plan.prefetch_depth)
+        spare = spare_blocks(self.plan.cache_blocks)  # "min" or "min+K": the fewest blocks (+ K), grown as needed
+        self.cache = ChunkCache(self.public, self._capacity(), grow_cache or spare is not None, self.plan.prefetch_depth)
         self.access = AccessGuard(self)
         self.states = hooks.install(self, module)
-        if self.plan.cache_blocks == CACHE_MIN:
-            self.cache.capacity = max([len(s.public_ids) for s in self.states] + [1])
+        if spare is not None:
+            fewest = max([len(s.public_ids) for s in self.states] + [1])
+            self.cache.capacity = min(fewest + spare, max(len(self.public), fewest))
         self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
@@ -129,7 +130,7 @@ class ElixirRuntime:
 
     def _capacity(self) -> Optional[int]:
         blocks = self.plan.cache_blocks
-        if blocks in (CACHE_ALL, CACHE_MIN):
+        if blocks == CACHE_ALL or spare_blocks(blocks) is not None:
             return None
         return min(int(blocks), max(len(self.public), 1))
 

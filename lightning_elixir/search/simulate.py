@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Union
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError, spare_blocks
 from lightning_elixir.schedule import NEVER, furthest, prefetch_may_evict
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout, access_chunks, layout_from_plan
@@ -80,16 +80,18 @@ def min_cache_blocks(needs: tuple[tuple[int, ...], ...]) -> int:
 
 
 def resolve_cache_blocks(cache_blocks: Union[int, str], needs: tuple[tuple[int, ...], ...], n_public: int) -> int:
-    """An int block count from an int, "all" or "min", checked to serve every access.
+    """An int block count from an int, "all", "min" or "min+K", checked to serve every access.
 
     More blocks than public chunks are as good as one per chunk; like the runtime, count no more.
     """
     if cache_blocks == CACHE_ALL:
         return max(n_public, 1)
-    if cache_blocks == CACHE_MIN:
-        return min_cache_blocks(needs)
+    spare = spare_blocks(cache_blocks)
+    if spare is not None:
+        fewest = min_cache_blocks(needs)
+        return min(fewest + spare, max(n_public, fewest))
     if not isinstance(cache_blocks, int) or isinstance(cache_blocks, bool):
-        raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r} or {CACHE_MIN!r}, got {cache_blocks!r}")
+        raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r}, {CACHE_MIN!r} or 'min+K', got {cache_blocks!r}")
     fewest = min_cache_blocks(needs)
     if cache_blocks < fewest:
         raise PlanError(f"{cache_blocks} cache blocks cannot serve an access that needs {fewest} chunks")

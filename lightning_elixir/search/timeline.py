@@ -55,7 +55,7 @@ def predict_timeline(
             of the run; ``optimizer_bytes_per_numel`` must describe the real optimizer (0 for SGD
             without momentum) for the optimizer series to be exact.
         budget_bytes: the device budget, carried into the timeline for display.
-        cache_blocks: an int, "all" or "min"; None takes the plan's ("all" for a layout).
+        cache_blocks: an int, "all", "min" or "min+K"; None takes the plan's ("all" for a layout).
         prefetch_depth: chunks gathered ahead; None takes the plan's (1 for a layout).
         rank: whose shards to count (ranks differ in how much padding their shards hold).
 
