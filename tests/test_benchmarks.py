@@ -12,7 +12,10 @@ from argparse import Namespace
 import pytest
 
 from examples.benchmarks import harness
-from examples.benchmarks.harness import REDUCED_SYSTEMS, WORKLOADS
+from examples.benchmarks.harness import REDUCED_SYSTEMS
+from examples.benchmarks.harness_rank import classify, profile_tables
+from examples.benchmarks.harness_report import markdown_table
+from examples.benchmarks.harness_systems import WORKLOADS, NotInstallable, flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAILURES = ("OOM", "failed", "not installable")
@@ -46,9 +49,9 @@ def test_summarise_names_a_run_by_its_most_telling_failure():
 
 
 def test_classify_sorts_errors_into_the_table_s_words():
-    assert harness.classify(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))["status"] == "OOM"
-    assert harness.classify(harness.NotInstallable("No module named 'deepspeed'"))["status"] == "not installable"
-    failed = harness.classify(ValueError("bad\nsecond line"))
+    assert classify(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))["status"] == "OOM"
+    assert classify(NotInstallable("No module named 'deepspeed'"))["status"] == "not installable"
+    failed = classify(ValueError("bad\nsecond line"))
     assert failed == {"status": "failed", "reason": "ValueError: bad"}
 
 
@@ -56,11 +59,11 @@ def test_gpu_rows_carry_tflops_and_mfu_from_the_flop_count():
     args = harness.parse_args(["--accelerator=gpu", "--devices=1", "--size=small", "--peak-tflops=100"])
     row = harness.summarise(args, [_rank(0.5, device_name="NVIDIA H200", peak_device_bytes=3 * 2**30)])
     tokens = args.batch_size * args.block_size
-    flops = harness.flops_per_token(1000, 12, 768, args.block_size) * tokens
+    flops = flops_per_token(1000, 12, 768, args.block_size) * tokens
     assert row["tflops"] == pytest.approx(flops / 0.5 / 1e12)
     assert row["mfu"] == pytest.approx(flops / 0.5 / 100e12)
     rows = [{"workload": "gpt", "budget": None, "system": s, **row} for s in ("ddp", "elixir")]
-    table = harness.markdown_table(args, rows)
+    table = markdown_table(args, rows)
     assert "| MFU |" in table.splitlines()[0] and f"{row['mfu']:.1%}" in table
 
 
@@ -73,7 +76,7 @@ def test_table_keeps_failed_rows_and_ratios_against_ddp_and_the_best_peer():
             {"workload": "gpt", "budget": None, "system": "deepspeed_zero2", "status": "not installable",
              "reason": "import deepspeed: No module named 'deepspeed'"}]
     rows[0]["rounds"], rows[2]["rounds"] = [0.2, 0.3], [0.4, 0.25]  # per round: 0.5x and 1.2x DDP
-    table = harness.markdown_table(args, rows)
+    table = markdown_table(args, rows)
     header = table.splitlines()[0].strip("| ").split(" | ")
     elixir = next(line for line in table.splitlines() if line.startswith("| elixir_zero2 |")).strip("| ").split(" | ")
     cell = dict(zip(header, elixir))
@@ -91,7 +94,7 @@ def test_profile_tables_list_labels_and_operators():
     with profile() as prof:
         with record_function("bench::matmul"):
             torch.randn(64, 64) @ torch.randn(64, 64)
-    text = harness.profile_tables(prof, on_gpu=False)
+    text = profile_tables(prof, on_gpu=False)
     labels, ops = text.split("operators:")
     assert "bench::matmul" in labels and "aten::mm" in ops and "aten::mm" not in labels
 
