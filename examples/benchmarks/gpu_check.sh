@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# The one prepared GPU run: GPU tests, the strategies benchmark on one device, then the offload
-# benchmark's GPU table (plan="auto" with offload, all chunks on "cpu", FSDP2 CPU offload). Builds nothing.
-# Usage (on a machine with CUDA and the project installed): bash examples/benchmarks/gpu_check.sh
+# The one prepared GPU run, about 8 minutes on one H200; it builds and installs nothing.
+#   1. the GPU tests (tests/test_gpu.py);
+#   2. the harness on one GPU: the GPT at GPT-2 medium size, bf16-mixed, one round of 5 timed steps.
+#      At an emulated budget of 80 GB (everything fits): DDP, Elixir's auto plan and FSDP2.
+#      At 16 GB, where the model's states and activations do not all fit: the auto plan, Elixir's
+#      all-on-host plan, FSDP2 with CPU offload, DeepSpeed ZeRO-3 offload ("not installable" without
+#      deepspeed) and DDP (expected to run out of memory; the row says so);
+#   3. the offload benchmark's GPU table.
+# Everything goes under $OUT (default gpu_results/): the machine, the test log, the harness's tables
+# (.md), JSON and plots, the offload table. Each part has its own time limit, so a hang in one still
+# leaves the others' results.
+# Usage (CUDA, the project installed): bash examples/benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-gpu_results}"
 mkdir -p "$out"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-timeout 150 python -m pytest tests/test_gpu.py -q 2>&1 | tee "$out/gpu_tests.txt"
-timeout 150 python examples/benchmarks/strategies.py --accelerator gpu --devices 1 --precision bf16-mixed \
-  --n-layer 12 --n-embd 768 --n-head 12 --vocab-size 50304 --block-size 1024 --batch-size 8 --steps 20 \
-  2>&1 | tee "$out/strategies_gpu.txt"
-timeout 150 python examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt"
+export PYTHONPATH=.
+{
+  nvidia-smi
+  python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
+  python -c "import deepspeed; print('deepspeed', deepspeed.__version__)" || echo "deepspeed: not installable"
+} > "$out/machine.txt" 2>&1
+timeout 120 python -m pytest tests/test_gpu.py -q 2>&1 | tee "$out/gpu_tests.txt"
+harness() {  # name, budget, systems
+  timeout 160 python examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
+    --budgets "$2" --systems "$3" --rounds 1 --warmup 2 --steps 5 --run-timeout 75 \
+    --json "$out/harness_$1.json" --png "$out/harness_$1.png" > "$out/harness_$1.md" 2> "$out/harness_$1.log"
+  cat "$out/harness_$1.md"
+}
+harness fits 80GB ddp,elixir,fsdp2
+harness offload 16GB elixir,elixir_offload,fsdp2_offload,deepspeed_zero3_offload,ddp
+timeout 90 python examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt"

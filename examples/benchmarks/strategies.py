@@ -13,6 +13,7 @@ gradients, optimizer states, gathered chunks) per rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -67,6 +68,7 @@ def run_one(args: argparse.Namespace) -> None:
     import lightning_elixir  # noqa: F401
     from examples.gpt import BigramDataModule, GPTLightningModule
     from lightning_elixir import ElixirStrategy
+    from lightning_elixir.plan import PRESETS
 
     class Timer(Callback):
         def __init__(self) -> None:
@@ -86,8 +88,8 @@ def run_one(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
     strategy = args.one
     if args.chunk_numel and strategy.startswith("elixir_"):
-        strategy = ElixirStrategy(plan={"chunk_numel": args.chunk_numel, "cache_blocks":
-                                        "all" if strategy.endswith("zero2") else "min"})
+        preset = PRESETS[strategy.removeprefix("elixir_")]
+        strategy = ElixirStrategy(plan=dataclasses.replace(preset, chunk_numel=args.chunk_numel))
     L.seed_everything(0)
     model = GPTLightningModule(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                                n_head=args.n_head, n_embd=args.n_embd)
