@@ -217,6 +217,8 @@ class Chunk:
         self.pending_grads = set(self.grad_requiring)
         self.grad_full: Optional[torch.Tensor] = None
         self._reduce: Optional[tuple[Any, torch.Tensor]] = None
+        self._received: Optional[torch.Tensor] = None
+        """On the CPU, where the peers' parts of the reduction in flight arrive (a reused buffer)."""
 
     @property
     def grads_complete(self) -> bool:
@@ -249,11 +251,16 @@ class Chunk:
         for slot in self.slots:  # trainable parameters unused this time: a zero gradient
             if id(slot.param) in self.pending_grads:
                 self.grad_full[slot.offset:slot.end].zero_()
+        received = None
         if self.full.device.type == "cpu":  # summed in place ([Note: reduce-scatter on gloo]): read this rank's part
             out = self.grad_full[self.shard_begin:self.shard_begin + self.shard_numel]
+            if self.group.world_size > 1:  # the peers' parts land in a reused buffer too
+                received = self._received = self.grad_buffers.take(
+                    (self.group.world_size - 1) * self.shard_numel, self.reduce_dtype, self.full.device)
         else:
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
-        work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True, chunk=self.index)
+        work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True, chunk=self.index,
+                                          received=received)
         self._reduce = (work, out)
         if copy_stream is not None:
             self._reduce = self._land_on_host(work, out, copy_stream, accumulate)
@@ -293,9 +300,10 @@ class Chunk:
                 self.grad_shard.add_(out)
             else:
                 self.grad_shard.copy_(out)
-        if self.grad_full is not None:
-            self.grad_buffers.give(self.grad_full)
-        self.grad_full = None
+        for buffer in (self.grad_full, self._received):
+            if buffer is not None:
+                self.grad_buffers.give(buffer)
+        self.grad_full = self._received = None
         self._reduce = None
 
     @property
@@ -317,7 +325,7 @@ class Chunk:
 
 
 class GradBuffers:
-    """Full-size gradient buffers, kept for reuse on the CPU.
+    """Full-size gradient buffers, and those the peers' parts of a reduction arrive in, kept for reuse on the CPU.
 
     [Note: reused gradient buffers]
     A chunk's gradient is written into a full-size buffer and reduce-scattered from it; the buffer

@@ -263,10 +263,12 @@ def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Gro
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False,
-                   chunk: Optional[int] = None) -> Any:
+                   chunk: Optional[int] = None, received: Optional[torch.Tensor] = None) -> Any:
     """Sum ``full`` over ranks and leave this rank's slice in ``out``.
 
-    ``full`` is scratch: on CPU tensors it is summed in place ([Note: reduce-scatter on gloo]).
+    ``full`` is scratch: on CPU tensors it is summed in place ([Note: reduce-scatter on gloo]), and
+    the peers' parts arrive in ``received`` (``(world_size - 1) * out.numel()`` elements of
+    ``full``'s dtype; None: a new buffer), which the caller keeps until the reduction is waited for.
     """
     with record_function("Elixir::reduce_scatter"):
         if group.world_size == 1:
@@ -275,19 +277,22 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
         what = _describe("reduce-scatter of gradients", full, chunk)
         tag = group.next_tag()
         if full.device.type == "cpu":
-            return _exchange(out, full, group, tag, what, async_op)
+            return _exchange(out, full, group, tag, what, async_op, received)
         opts = _options(dist.distributed_c10d.ReduceScatterOptions(), group, async_op)
         opts.reduceOp = dist.ReduceOp.SUM
         work = _REDUCE_SCATTER(_pg(group), out, full, opts)
         return _issue(work, group, what, out, async_op)
 
 
-def _exchange(out: torch.Tensor, full: torch.Tensor, group: Group, tag: int, what: str, async_op: bool) -> Any:
+def _exchange(out: torch.Tensor, full: torch.Tensor, group: Group, tag: int, what: str, async_op: bool,
+              received: Optional[torch.Tensor]) -> Any:
     """The reduce-scatter of CPU tensors: parts exchanged point to point, then added ([Note:
     reduce-scatter on gloo]). This rank's part of ``full`` is summed in place."""
     pg, n, rank = _pg(group), out.numel(), group.rank
     peers = [r for r in range(group.world_size) if r != rank]
-    received = torch.empty((len(peers), n), dtype=full.dtype)
+    if received is None:
+        received = torch.empty(len(peers) * n, dtype=full.dtype)
+    received = received.view(len(peers), n)
     works = [pg.send([full[r * n:(r + 1) * n]], r, tag) for r in peers]
     works += [pg.recv([received[i]], r, tag) for i, r in enumerate(peers)]
     mine = full[rank * n:(rank + 1) * n]

@@ -1,5 +1,6 @@
 """The collectives on gloo CPU tensors: the point-to-point reduce-scatter against a plain sum, with
-several in flight and waited for out of order, at an odd world size."""
+several in flight and waited for out of order, at an odd world size, with the peers' parts received
+into new buffers and into reused ones that hold other numbers."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def _reduce(rank: int, world_size: int) -> dict:
         shards = [torch.empty(NUMEL // world_size, dtype=dtype) for _ in range(3)]
         n = NUMEL // world_size
         shards.append(fulls[3][rank * n:(rank + 1) * n])  # the last one read in place
-        pending = [collectives.reduce_scatter(shards[i], fulls[i], group, async_op=True, chunk=i) for i in range(4)]
+        reused = torch.full(((world_size - 1) * n,), float("nan"), dtype=dtype)
+        received = [None, reused, None, reused.clone()]
+        pending = [collectives.reduce_scatter(shards[i], fulls[i], group, async_op=True, chunk=i, received=received[i])
+                   for i in range(4)]
         gathered = torch.empty(NUMEL, dtype=dtype)
         mine = torch.full((NUMEL // world_size,), float(rank + 1), dtype=dtype)
         collectives.all_gather(gathered, mine, group)  # a collective while the reductions are in flight
