@@ -143,3 +143,15 @@ def test_overhead_compares_the_runtime_with_the_plain_module_at_world_size_one(c
     assert {"plain", "zero2", "zero3"} <= set(rows)
     assert "| Elixir::pre_forward | 0.0 |" in out  # the runtime's hooks are listed, and cost nothing in plain
     assert "a sharded optimizer on 2 ranks saves" in out
+
+
+def test_collectives_benchmark_prints_both_tables_with_every_collective():
+    proc = subprocess.run([sys.executable, "examples/benchmarks/collectives.py", "--sizes-mib", "0.25", "--calls", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0.25 MiB |")]
+    assert len(rows) == 2, proc.stdout
+    assert all(len(row.split(" | ")) == 5 and "nan" not in row for row in rows)  # 4 collectives each, all timed
+    for name in ("reduce_scatter_tensor", "exchange + add", "exchange, reused buffers", "all-reduce", "all-gather"):
+        assert name in proc.stdout
