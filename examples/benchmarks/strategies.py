@@ -39,14 +39,17 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="steps in all, the warm-up included")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (fewer than --steps)")
     p.add_argument("--chunk-numel", type=int, default=None, help="chunk size for the Elixir plans")
     p.add_argument("--rounds", type=int, default=2,
                    help="run every strategy this many times, alternating the order; keep each one's fastest")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--steps ({args.steps}) counts the warm-up steps too: it must be more than --warmup ({args.warmup})")
+    return args
 
 
 def _state_bytes(trainer, model) -> int:
