@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run, about 8 minutes on one H200; it builds and installs nothing.
+# The one prepared GPU run, about 8 minutes on one H200 (at most 9.5: the time limits); it builds and installs nothing.
 #   1. the GPU tests (tests/test_gpu.py);
 #   2. the harness on one GPU: the GPT at GPT-2 medium size, bf16-mixed, one round of 5 timed steps.
 #      At an emulated budget of 80 GB (everything fits): DDP, Elixir's auto plan and FSDP2.
