@@ -344,7 +344,8 @@ PRESETS: Mapping[str, ElixirPlan] = MappingProxyType({
     "zero2": ElixirPlan(cache_blocks=CACHE_ALL, name="zero2"),
     # The chunks one module needs, and one block to gather the next module's chunk into while it runs
     # (FSDP's forward and backward prefetch). Without the spare block nothing can be prefetched: at
-    # "min", every gather waits in the open (5-10% of a step on the harness's GPT, CPU/gloo).
+    # "min", every gather waits in the open (the harness's GPT on CPU/gloo: 0.91x FSDP2's throughput
+    # at "min", 1.18x with the spare block, paired ratios in BENCHMARKS.md).
     "zero3": ElixirPlan(cache_blocks="min+1", prefetch_depth=1, name="zero3"),
 })
 """Fixed plans for comparison runs, registered as the strategy names "elixir_zero2"/"elixir_zero3"."""
