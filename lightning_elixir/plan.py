@@ -49,6 +49,11 @@ def spare_blocks(cache_blocks: Union[int, str]) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def min_plus_blocks(spare: int, fewest: int, n_public: int) -> int:
+    """The blocks of "min+K" (``spare`` = K): the fewest one access needs plus K, at most one per public chunk."""
+    return min(fewest + spare, max(n_public, fewest))
+
+
 def _is_int(value: Any) -> bool:
     """An integer that is not a bool (True/False are ints to Python, never to a plan)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

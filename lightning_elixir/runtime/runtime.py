@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, ElixirPlan, spare_blocks
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan, min_plus_blocks, spare_blocks
 from lightning_elixir.runtime import hooks
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
@@ -98,7 +98,7 @@ class ElixirRuntime:
         self.states = hooks.install(self, module)
         if spare is not None:
             fewest = max([len(s.public_ids) for s in self.states] + [1])
-            self.cache.capacity = min(fewest + spare, max(len(self.public), fewest))
+            self.cache.capacity = min_plus_blocks(spare, fewest, len(self.public))
         self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []

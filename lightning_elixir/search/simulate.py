@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Union
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError, spare_blocks
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError, min_plus_blocks, spare_blocks
 from lightning_elixir.schedule import NEVER, furthest, prefetch_may_evict
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout, access_chunks, layout_from_plan
@@ -88,8 +88,7 @@ def resolve_cache_blocks(cache_blocks: Union[int, str], needs: tuple[tuple[int, 
         return max(n_public, 1)
     spare = spare_blocks(cache_blocks)
     if spare is not None:
-        fewest = min_cache_blocks(needs)
-        return min(fewest + spare, max(n_public, fewest))
+        return min_plus_blocks(spare, min_cache_blocks(needs), n_public)
     if not isinstance(cache_blocks, int) or isinstance(cache_blocks, bool):
         raise PlanError(f"cache_blocks must be an int, {CACHE_ALL!r}, {CACHE_MIN!r} or 'min+K', got {cache_blocks!r}")
     fewest = min_cache_blocks(needs)
