@@ -7,8 +7,10 @@ from collections.abc import Generator
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -16,6 +18,7 @@ from typing_extensions import override
 
 from lightning_elixir.runtime.optim import DynamicLossScaler, clip_grad_norm_, clip_grad_value_
 from lightning_elixir.runtime.policy import PRECISION_FLAGS, PrecisionPolicy
+
 
 class ElixirPrecision(Precision):
     """Mixed and true precision for Elixir: low-precision chunks, fp32 masters, global overflow checks.
@@ -35,15 +38,26 @@ class ElixirPrecision(Precision):
         self.scaler = DynamicLossScaler() if self.precision == "16-mixed" else None
         self.runtime: Any = None  # set by the strategy once the model is chunked
 
+    @property
+    def _true_half(self) -> bool:
+        return self.precision in ("bf16-true", "16-true")
+
     @override
     def convert_module(self, module: Module) -> Module:
-        if self.precision in ("bf16-true", "16-true"):
+        if self._true_half:
             return module.to(self.compute_dtype)
         return module
 
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """True half precision: floating-point batch tensors in the model's dtype, as Lightning's HalfPrecision."""
+        if not self._true_half:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+
     @contextlib.contextmanager
     def _default_dtype(self) -> Generator[None, None, None]:
-        if self.precision not in ("bf16-true", "16-true"):
+        if not self._true_half:
             yield
             return
         previous = torch.get_default_dtype()
@@ -64,8 +78,9 @@ class ElixirPrecision(Precision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.autocast_dtype is None:
-            yield
+        if self.autocast_dtype is None:  # true half: tensors created in forward take the model's dtype
+            with self._default_dtype():
+                yield
             return
         with torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=False):
             yield
