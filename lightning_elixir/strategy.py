@@ -23,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -98,6 +99,20 @@ def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optio
         raise ValueError(f"{name}={limit!r} is used by plan='auto' to choose a plan and has no effect on {fixed}: "
                          "remove it, or use plan='auto'")
     return limit
+
+
+def _refuse_finetuning_callbacks(trainer: Any) -> None:
+    """Lightning's BaseFinetuning looks the optimizer's parameters up by identity, and this strategy's
+    optimizer holds shard views of them: it would fail at the first epoch. Say what works instead."""
+    found = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, BaseFinetuning)]
+    if found:
+        raise ValueError(
+            f"{found[0]} (a BaseFinetuning callback) does not work with the Elixir strategy: it looks up the "
+            "optimizer's parameters by identity, and the optimizer holds shards of them. Freeze and unfreeze "
+            "with requires_grad instead, which the strategy follows: build the optimizer over every parameter "
+            "in configure_optimizers (a param group per learning rate; frozen parameters are skipped until "
+            "they get gradients), freeze in the module, and set requires_grad=True on the layers to unfreeze "
+            "in a callback's on_train_epoch_start.")
 
 
 class ElixirStrategy(ParallelStrategy):
@@ -307,6 +322,8 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            _refuse_finetuning_callbacks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._saver.prepare_dirs(self, trainer)
         self.accelerator.setup(trainer)

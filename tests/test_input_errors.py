@@ -310,3 +310,74 @@ def test_a_bad_host_memory_limit_is_named_in_its_error():
         ElixirStrategy(host_memory_limit="40 Gigs")
     with pytest.raises(ValueError, match="host_memory_limit must be positive"):
         ElixirStrategy(host_memory_limit=0)
+
+
+# ---- 7. parameters given to the optimizer later; BaseFinetuning ---------------------------------------
+
+
+class Backbone(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.backbone(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2)
+
+
+def test_finetuning_callbacks_are_refused_before_training_with_what_works_instead():
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    model = Backbone()
+    before = model.head.weight.detach().clone()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elixir", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    with pytest.raises(ValueError, match=r"BackboneFinetuning \(a BaseFinetuning callback\) does not work .* "
+                                         r"set requires_grad=True"):
+        trainer.fit(model)
+    torch.testing.assert_close(model.head.weight, before, rtol=0, atol=0)  # nothing trained
+
+
+def test_add_param_group_takes_module_parameters_and_refuses_offloaded_ones():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    reference = [p.detach().clone() for p in model.parameters()]
+    runtime = ElixirRuntime(model, ElixirPlan())
+    opt = shard_optimizer(runtime, torch.optim.SGD(model[1].parameters(), lr=0.1))
+    opt.add_param_group({"params": model[0].parameters(), "lr": 0.5})
+    assert opt.param_groups[1]["lr"] == 0.5
+    assert [p.numel() for p in opt.param_groups[1]["params"]] == [16, 4]
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    model(torch.ones(2, 4)).sum().backward()
+    from lightning_elixir.runtime.optim import optimizer_step
+
+    optimizer_step(runtime, opt)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        for p, value in zip(ref.parameters(), reference):
+            p.copy_(value)
+    ref(torch.ones(2, 4)).sum().backward()
+    with torch.no_grad():
+        for i, p in enumerate(ref.parameters()):
+            p -= (0.5 if i < 2 else 0.1) * p.grad
+    from lightning_elixir.runtime.state_dict import full_state_dict
+
+    state = full_state_dict(runtime)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+
+    offloaded = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    plan = ElixirPlan(chunks=[ChunkSpec(params=("0.weight", "0.bias", "1.weight", "1.bias"), numel=256,
+                                        placement="cpu")], world_size=1)
+    runtime = ElixirRuntime(offloaded, plan)
+    opt = shard_optimizer(runtime, torch.optim.SGD(offloaded[1].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="optimizer state offloaded by the plan"):
+        opt.add_param_group({"params": offloaded[0].parameters()})

@@ -84,9 +84,7 @@ class Chunk:
         self.grad_shard = _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
         self.pending_update: Optional[Future] = None
         """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
-        self.grad_requiring = {id(s.param) for s in slots if s.param.requires_grad}
-        self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in slots if s.param.requires_grad])
-        self.reset_grad_tracking()
+        self.track_trainable()
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -212,6 +210,12 @@ class Chunk:
 
     # ---- gradients --------------------------------------------------------------------------
 
+    def track_trainable(self) -> None:
+        """Take the parameters' ``requires_grad`` as it is now (at construction, or after it changed)."""
+        self.grad_requiring = {id(s.param) for s in self.slots if s.param.requires_grad}
+        self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.slots if s.param.requires_grad])
+        self.reset_grad_tracking()
+
     def reset_grad_tracking(self) -> None:
         """Start a new backward: no gradients have arrived yet."""
         self.pending_grads = set(self.grad_requiring)
@@ -228,6 +232,8 @@ class Chunk:
         """Write one parameter's gradient, pre-divided by the world size, into the full buffer."""
         if self.grad_full is None:
             self.grad_full = self._new_grad_buffer()
+        if grad.layout != torch.strided:  # e.g. nn.Embedding(sparse=True): the chunk holds it densely
+            grad = grad.to_dense()
         # One pass that both copies and averages (DDP divides its buckets before the all-reduce too).
         torch.div(grad.reshape(-1), self.group.world_size, out=self.grad_full[slot.offset:slot.end])
         self.pending_grads.discard(id(slot.param))

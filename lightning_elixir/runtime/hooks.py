@@ -8,7 +8,7 @@ Every module that directly holds parameters gets:
 - a forward hook: unpin; register tensor hooks on its outputs whose first firing is the call's
   pre-backward (gather and pin again for backward).
 Every trainable parameter gets a post-accumulate-grad hook that moves its gradient into the
-chunk's buffer. A call's backward pins are dropped once its input gradients exist and every
+chunk's buffer (runtime/trainable.py registers them, also for parameters unfrozen later). A call's backward pins are dropped once its input gradients exist and every
 trainable parameter of the module has its gradient; a final autograd callback flushes the rest.
 Bookkeeping is per call, not per module, so a module may run several times in one step (a
 shared layer, a model called on two views): each call pins for its own backward, and a
@@ -104,8 +104,6 @@ def install(runtime: "ElixirRuntime", module: nn.Module) -> list[ModuleState]:
         state.handles.append(mod.register_forward_pre_hook(_pre_forward(runtime, state), with_kwargs=True))
         state.handles.append(mod.register_forward_hook(_post_forward(runtime, state), always_call=True))
         states.append(state)
-    for p in runtime.trainable_params():
-        runtime.handles.append(p.register_post_accumulate_grad_hook(runtime.on_param_grad))
     return states
 
 

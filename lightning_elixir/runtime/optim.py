@@ -49,9 +49,28 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
                          "and load optimizer state through the strategy's checkpoint loading")
     for group in optimizer.param_groups:
         group["params"] = [runtime.view_param(p) for p in group["params"]]
+    _shard_added_groups(runtime, optimizer)
     runtime.optimizers.append(optimizer)
     runtime.offload.attach(optimizer, runtime.view_index())
     return optimizer
+
+
+def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
+    """``optimizer.add_param_group`` later in training (a layer unfrozen and given to the optimizer)
+    takes the module's parameters and adds their shard views, as the constructor's groups were."""
+    add = optimizer.add_param_group
+
+    def add_param_group(param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        views = [runtime.view_param(p) for p in params]
+        if any(runtime.where(p)[0].offloaded for p in params):
+            raise ValueError("add_param_group: some of these parameters have their optimizer state offloaded by "
+                             "the plan, which is set up when the optimizer is built; give the optimizer every "
+                             "parameter in configure_optimizers (frozen ones are skipped until they train)")
+        add({**param_group, "params": views})
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -33,17 +33,25 @@ class Reductions:
 
     def __init__(self, chunks: list[Chunk], offload: Any,
                  views: Callable[[Chunk], list[tuple[Slot, nn.Parameter]]]) -> None:
-        public = [c for c in chunks if not c.private]
-        private = [c for c in chunks if c.private]
-        self.order = [c for c in reversed(public) if c.grad_requiring] + [c for c in private if c.grad_requiring]
+        self.chunks = chunks
         self.offload = offload
         self.views = views
         self.valid = {c.index: False for c in chunks}
         """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
+        self.seen: set[int] = set()
+        """ids of the parameters that got a gradient on this rank since their shard was last overwritten
+        ([Note: unused parameters] in trainable.py)."""
+        self.reorder()
         self._next_start = 0
         """The next chunk in ``order`` to reduce in this backward."""
         self._next_retire = 0
         """The next chunk in ``order`` to retire; those from it up to ``_next_start`` are in flight."""
+
+    def reorder(self) -> None:
+        """The fixed order over the chunks that have trainable parameters now."""
+        public = [c for c in self.chunks if not c.private]
+        private = [c for c in self.chunks if c.private]
+        self.order = [c for c in reversed(public) if c.grad_requiring] + [c for c in private if c.grad_requiring]
 
     def start_ready(self) -> None:
         """Start reductions in the fixed order while the next chunk in it has all its gradients."""
@@ -61,6 +69,7 @@ class Reductions:
     def forget(self) -> None:
         """Gradients were zeroed: the next backward overwrites the shards rather than adding to them."""
         self.valid = dict.fromkeys(self.valid, False)
+        self.seen.clear()
 
     def _start_next(self) -> None:
         """Start the next reduction; retire the oldest beyond ``REDUCE_BUFFERS`` in flight."""
@@ -74,7 +83,11 @@ class Reductions:
     def _retire(self) -> None:
         """Finish the oldest reduction in flight: its shard holds this backward's gradient, its buffers go."""
         chunk = self.order[self._next_retire]
-        chunk.finish_reduce(accumulate=self._accumulates(chunk))
+        accumulate = self._accumulates(chunk)
+        chunk.finish_reduce(accumulate=accumulate)
+        if not accumulate:
+            self.seen.difference_update(id(s.param) for s in chunk.slots)
+        self.seen.update(chunk.grad_requiring - chunk.pending_grads)
         self.valid[chunk.index] = True
         for slot, view in self.views(chunk):
             if view.requires_grad:

@@ -30,6 +30,7 @@ from lightning_elixir.runtime.reductions import Reductions
 from lightning_elixir.runtime.state_dict import per_element_nbytes
 from lightning_elixir.runtime.states import ChunkState
 from lightning_elixir.runtime.timeline import TimelineRecorder
+from lightning_elixir.runtime.trainable import Trainable, settle_unused
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class ElixirRuntime:
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
         self.reductions = Reductions(self.chunks, self.offload, self._chunk_views)
+        self.trainable = Trainable(self)
         for chunk in self.chunks:
             for slot in chunk.slots:
                 chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
@@ -183,6 +185,8 @@ class ElixirRuntime:
         if not torch.is_grad_enabled() and not self._callback_queued:
             self.end_iteration()  # a no-grad iteration holds nothing past its own end
         training = torch.is_grad_enabled()
+        if training:
+            self.trainable.refresh()
         self.cache.begin_iteration(training)
         for chunk in self.private:
             if chunk.state is ChunkState.FREE:
@@ -350,6 +354,10 @@ class ElixirRuntime:
         self._views[id(param)] = view
         return view
 
+    def shard_views(self) -> dict[int, nn.Parameter]:
+        """The optimizer's shard views made so far, by the id of their parameter."""
+        return self._views
+
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shards, one per chunk that has trainable parameters."""
         return [c.grad_shard for c in self.chunks if c.grad_requiring and self.reductions.valid[c.index]]
@@ -371,6 +379,7 @@ class ElixirRuntime:
         """
         with self.clock.timing("optimizer"):
             self.before_step()
+            settle_unused(self, optimizer)
             hidden = self.offload.launch(optimizer)
             try:
                 yield

@@ -65,7 +65,7 @@ def one_param_per_chunk_plan(case: Any) -> Any:
         with torch.device("meta"):
             model.configure_model()
     shared = shared_param_names(model)
-    chunks = tuple(ChunkSpec((name,), numel=round_up(p.numel(), WORLD_SIZE), private=name in shared)
+    chunks = tuple(ChunkSpec((name,), numel=max(round_up(p.numel(), WORLD_SIZE), WORLD_SIZE), private=name in shared)
                    for name, p in model.named_parameters())
     return ElixirPlan(chunks=chunks, world_size=WORLD_SIZE, cache_blocks="min", name="zero3-1pp")
 

@@ -1,5 +1,7 @@
 """Models users write, on 2 gloo ranks against DDP: frozen parameters, activation checkpointing,
-branches unused in some steps, a weight used outside its module, buffers, meta-device init."""
+branches unused in some steps, a weight used outside its module, buffers, meta-device init; and
+against one process on the whole batch: parameters frozen and unfrozen mid-training, and a branch
+that no rank (or one rank only) uses under AdamW."""
 
 from __future__ import annotations
 
@@ -97,6 +99,71 @@ def _gpt_variant(rank: int, world_size: int, config: GPTConfig, freeze: tuple[st
             "peak": runtime.memory_stats()["peak_gathered_public_chunks"], "capacity": runtime.cache.capacity}
 
 
+class Toggled(nn.Module):
+    """``aux`` joins only for the samples its mask marks, and not at all where none is marked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+        self.aux = nn.Linear(16, 4)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, aux_mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        out = self.out(h)
+        if aux_mask.any():
+            out = out + self.aux(h) * aux_mask[:, None]
+        return out
+
+
+def _aux_mask(rank: int, step: int, one_rank: bool) -> torch.Tensor:
+    """Steps 0, 3, 6: no rank uses ``aux``; 1, 4, 7: rank 0 only if ``one_rank``, else every rank with
+    rank 1's samples masked out; 2, 5: every rank. (A module that one rank skips and another runs is
+    fine only where its chunk stays gathered; under ZeRO-3 the ranks would gather differently.)"""
+    if step % 3 == 1:
+        return torch.full((6,), float(rank == 0)) if one_rank else torch.tensor([float(rank == 0)] * 5 + [1.0])
+    return torch.full((6,), float(step % 3 == 2))
+
+
+def _toggled(rank: int, world_size: int, plan: ElixirPlan, one_rank: bool) -> dict:
+    """Against one process on the concatenated batch (the ranks' equal-sized means average to its mean)."""
+    torch.manual_seed(0)
+    base = Toggled()
+    base.mid.requires_grad_(False)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    runtime = ElixirRuntime(model, plan)
+    # weight decay moves a parameter even with a zero gradient: a step that should skip it would show
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.5)
+    losses = []
+    for step in range(8):
+        if step == 2:  # unfreeze
+            model.mid.requires_grad_(True)
+            ref.mid.requires_grad_(True)
+        if step == 5:  # freeze
+            model.inp.requires_grad_(False)
+            ref.inp.requires_grad_(False)
+        x, y = _data(rank, step)
+        loss = F.mse_loss(model(x, _aux_mask(rank, step, one_rank)), y)
+        loss.backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        data = [_data(r, step) for r in range(world_size)]
+        full_x, full_y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+        mask = torch.cat([_aux_mask(r, step, one_rank) for r in range(world_size)])
+        ref_loss = F.mse_loss(ref(full_x, mask), full_y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+    gathered = [torch.zeros(1) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, torch.tensor([losses[-1][0]]))
+    losses[-1] = (sum(g.item() for g in gathered) / world_size, losses[-1][1])
+    return {"losses": losses, "state": full_state_dict(runtime, everywhere=True), "ref": ref.state_dict(),
+            "aux_steps": ref_opt.state[ref.aux.weight]["step"].item()}
+
+
 def _meta_init(rank: int, world_size: int) -> dict:
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
     with torch.device("meta"):
@@ -116,6 +183,8 @@ def _all(rank: int, world_size: int) -> dict:
         "frozen": _gpt_variant(rank, world_size, small, freeze=("wpe", "h.0.attn", "ln_f")),
         "checkpointed": _gpt_variant(rank, world_size, GPTConfig(**{**small.__dict__, "activation_checkpointing": True}), ()),
         "meta": _meta_init(rank, world_size),
+        "toggled": _toggled(rank, world_size, ElixirPlan(), one_rank=True),
+        "toggled_zero3": _toggled(rank, world_size, ElixirPlan(chunk_numel=320, cache_blocks=CACHE_MIN), one_rank=False),
     }
 
 
@@ -158,3 +227,14 @@ def test_meta_init_materialises_rank0_values_on_every_rank(results):
         assert torch.isfinite(value).all(), key
     torch.testing.assert_close(first["logits"], second["logits"])
     assert first["state"]["wte.weight"].std() > 0.1  # nn.Embedding's own N(0, 1) init ran
+
+
+@pytest.mark.parametrize("variant", ["toggled", "toggled_zero3"])
+def test_freezing_unfreezing_and_unused_parameters_match_one_process(results, variant):
+    for rank_result in results:
+        result = rank_result[variant]
+        assert result["aux_steps"] == 5  # the reference skipped aux in the 3 steps no rank used it
+        ours, ref = result["losses"][-1]  # the mean over ranks of the last step, before its update
+        assert ours == pytest.approx(ref, rel=1e-5)
+        for key, value in result["ref"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
