@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -101,18 +101,25 @@ def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optio
     return limit
 
 
-def _refuse_finetuning_callbacks(trainer: Any) -> None:
-    """Lightning's BaseFinetuning looks the optimizer's parameters up by identity, and this strategy's
-    optimizer holds shard views of them: it would fail at the first epoch. Say what works instead."""
-    found = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, BaseFinetuning)]
-    if found:
-        raise ValueError(
-            f"{found[0]} (a BaseFinetuning callback) does not work with the Elixir strategy: it looks up the "
-            "optimizer's parameters by identity, and the optimizer holds shards of them. Freeze and unfreeze "
-            "with requires_grad instead, which the strategy follows: build the optimizer over every parameter "
-            "in configure_optimizers (a param group per learning rate; frozen parameters are skipped until "
-            "they get gradients), freeze in the module, and set requires_grad=True on the layers to unfreeze "
-            "in a callback's on_train_epoch_start.")
+def _refuse_unsupported_callbacks(trainer: Any) -> None:
+    """Refuse, before any work, Lightning callbacks that cannot work on sharded parameters, saying what works."""
+    for cb in trainer.callbacks:
+        name = type(cb).__name__
+        if isinstance(cb, BaseFinetuning):
+            raise ValueError(
+                f"{name} (a BaseFinetuning callback) does not work with the Elixir strategy: it looks up the "
+                "optimizer's parameters by identity, and the optimizer holds shards of them. Freeze and unfreeze "
+                "with requires_grad instead, which the strategy follows: build the optimizer over every parameter "
+                "in configure_optimizers (a param group per learning rate; frozen parameters are skipped until "
+                "they get gradients), freeze in the module, and set requires_grad=True on the layers to unfreeze "
+                "in a callback's on_train_epoch_start.")
+        if isinstance(cb, StochasticWeightAveraging):
+            raise ValueError(
+                f"{name} does not work with the Elixir strategy: it copies the module and reads and writes its "
+                "parameters outside the training step, where each rank holds only its shard (Lightning refuses it "
+                "for FSDP and DeepSpeed too). Keep the average in a callback of your own that reads the weights "
+                "inside `with trainer.strategy.gathered_params():`, entered on every rank (README, 'Your model, "
+                "unchanged').")
 
 
 class ElixirStrategy(ParallelStrategy):
@@ -323,7 +330,7 @@ class ElixirStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            _refuse_finetuning_callbacks(trainer)
+            _refuse_unsupported_callbacks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._saver.prepare_dirs(self, trainer)
         self.accelerator.setup(trainer)

@@ -312,7 +312,7 @@ def test_a_bad_host_memory_limit_is_named_in_its_error():
         ElixirStrategy(host_memory_limit=0)
 
 
-# ---- 7. parameters given to the optimizer later; BaseFinetuning ---------------------------------------
+# ---- 7. parameters given to the optimizer later; callbacks refused at setup ---------------------------------------
 
 
 class Backbone(L.LightningModule):
@@ -343,6 +343,18 @@ def test_finetuning_callbacks_are_refused_before_training_with_what_works_instea
                                          r"set requires_grad=True"):
         trainer.fit(model)
     torch.testing.assert_close(model.head.weight, before, rtol=0, atol=0)  # nothing trained
+
+
+def test_stochastic_weight_averaging_is_refused_before_training():
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elixir", max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[StochasticWeightAveraging(swa_lrs=0.05)])
+    model = Backbone()
+    with pytest.raises(ValueError, match=r"StochasticWeightAveraging does not work .*gathered_params"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
 
 
 def test_add_param_group_takes_module_parameters_and_refuses_offloaded_ones():

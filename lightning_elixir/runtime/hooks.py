@@ -13,8 +13,13 @@ trainable parameter of the module has its gradient; a final autograd callback fl
 Bookkeeping is per call, not per module, so a module may run several times in one step (a
 shared layer, a model called on two views): each call pins for its own backward, and a
 parameter's gradient (accumulated by autograd over all calls) releases them all.
-Forward calls that happen inside backward (activation-checkpoint recomputation) only gather, pin
-and unpin: the backward bookkeeping belongs to the original forward call.
+Forward calls that happen inside backward (activation-checkpoint recomputation) gather, pin and
+unpin. Under non-reentrant checkpointing the module still has the open call of its original forward,
+whose backward this is, and that call keeps the bookkeeping. Under reentrant checkpointing
+(``use_reentrant=True``) the original forward ran without grad and opened no call; the recomputed
+forward is then differentiated by a backward of its own, nested in this one, so it opens a call
+like any forward: without it the chunk could be released between the recomputation and that
+nested backward, which reads the parameters it saved.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class BackwardCall:
     state: "ModuleState"
     pending: set[WaitKey]
     pinned: bool = False
+    hooked: bool = False
+    """Whether its outputs carry the pre-backward hooks (registered once, by the forward hook)."""
 
 
 @dataclass(eq=False)
@@ -111,7 +118,9 @@ def _pre_forward(runtime: "ElixirRuntime", state: ModuleState):
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         with record_function("Elixir::pre_forward"):
             runtime.before_module(state)
-            if not state.public_ids or not torch.is_grad_enabled() or in_backward():
+            if not state.public_ids or not torch.is_grad_enabled():
+                return None
+            if in_backward() and state.calls:  # recomputation for the call whose backward this is
                 return None
             call = BackwardCall(state, set(state.trainable))
             state.calls.append(call)
@@ -124,7 +133,8 @@ def _post_forward(runtime: "ElixirRuntime", state: ModuleState):
     def hook(mod: nn.Module, args: tuple, output: Any) -> None:
         with record_function("Elixir::post_forward"):
             runtime.after_module(state)
-            if state.public_ids and torch.is_grad_enabled() and not in_backward() and state.calls:
+            if state.public_ids and torch.is_grad_enabled() and state.calls and not state.calls[-1].hooked:
+                state.calls[-1].hooked = True
                 _register_pre_backward(runtime, state.calls[-1], output)
 
     return hook

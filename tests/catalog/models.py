@@ -1240,6 +1240,57 @@ class ToggleModel(Classifier):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class ReentrantCheckpointed(Classifier):
+    """torch.utils.checkpoint with use_reentrant=True (Hugging Face's default) around each residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=True)
+        return self.head(h)
+
+
+class OddParameters(Classifier):
+    """A frozen integer parameter, a frozen bf16 parameter in an fp32 model, a non-contiguous parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.w = nn.Parameter(torch.randn(4, 16).t() * 0.2)  # a transposed view: not contiguous
+        self.count = nn.Parameter(torch.ones(3, dtype=torch.long), requires_grad=False)
+        self.table = nn.Parameter(torch.randn(4, 4).to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.inp(x)) @ self.w) @ self.table.float() * self.count.sum() / 3
+
+
+class WithLR(SequentialMLP):
+    """A learning rate attribute for Lightning's learning-rate finder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.1
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def lr_find_then_fit(ctx: Any) -> None:
+    """Tuner.lr_find (a short fit, a checkpoint saved and restored), then fit with the learning rate it set."""
+    from lightning.pytorch.tuner import Tuner
+
+    trainer = ctx.trainer()
+    Tuner(trainer).lr_find(ctx.model, ctx.data["train"], num_training=4, min_lr=1e-3, max_lr=1e-1)
+    ctx.extras["lr"] = ctx.model.lr
+    trainer.fit(ctx.model, ctx.data["train"])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the catalog
 
@@ -1371,7 +1422,14 @@ CASES: list[Case] = [
     Case("unused_branch_adamw", UnusedAdamW, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("frozen_mid_training", ToggleModel, cls_data, run=fit_with(FreezeAtBatch2),
          ddp=dict(find_unused_parameters=True)),
+    Case("activation_checkpointing_reentrant", ReentrantCheckpointed, cls_data),
+    Case("integer_bf16_and_non_contiguous_parameters", OddParameters, cls_data),
+    Case("model_summary_enabled", SequentialMLP, cls_data, trainer=dict(enable_model_summary=True)),
+    Case("val_check_interval_mid_epoch", SequentialMLP, cls_data, trainer=dict(val_check_interval=2, max_epochs=2)),
+    Case("lr_finder_then_fit", WithLR, cls_data, run=lr_find_then_fit),
 ]
+
+
 
 
 

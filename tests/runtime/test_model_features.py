@@ -99,6 +99,48 @@ def _gpt_variant(rank: int, world_size: int, config: GPTConfig, freeze: tuple[st
             "peak": runtime.memory_stats()["peak_gathered_public_chunks"], "capacity": runtime.cache.capacity}
 
 
+class ReentrantStack(nn.Module):
+    """Residual blocks under torch.utils.checkpoint(use_reentrant=True), as Hugging Face models use it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                    for _ in range(4))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _reentrant(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    base = ReentrantStack()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4352, cache_blocks=CACHE_MIN))  # a block per chunk
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ddp = DistributedDataParallel(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        x, y = _data(rank, step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_loss = F.mse_loss(ddp(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+    return {"losses": losses, "state": full_state_dict(runtime, everywhere=True), "ref": ref.state_dict(),
+            "peak": runtime.memory_stats()["peak_gathered_public_chunks"], "capacity": runtime.cache.capacity,
+            "chunks": len(runtime.public)}
+
+
 class Toggled(nn.Module):
     """``aux`` joins only for the samples its mask marks, and not at all where none is marked."""
 
@@ -183,6 +225,7 @@ def _all(rank: int, world_size: int) -> dict:
         "frozen": _gpt_variant(rank, world_size, small, freeze=("wpe", "h.0.attn", "ln_f")),
         "checkpointed": _gpt_variant(rank, world_size, GPTConfig(**{**small.__dict__, "activation_checkpointing": True}), ()),
         "meta": _meta_init(rank, world_size),
+        "reentrant": _reentrant(rank, world_size),
         "toggled": _toggled(rank, world_size, ElixirPlan(), one_rank=True),
         "toggled_zero3": _toggled(rank, world_size, ElixirPlan(chunk_numel=320, cache_blocks=CACHE_MIN), one_rank=False),
     }
@@ -217,6 +260,14 @@ def test_activation_checkpointing_matches_ddp_within_the_cache(results):
         checkpointed = rank_result["checkpointed"]
         _assert_matches(checkpointed)
         assert checkpointed["peak"] <= checkpointed["capacity"]
+
+
+def test_reentrant_checkpointing_matches_ddp_within_the_cache(results):
+    for rank_result in results:
+        reentrant = rank_result["reentrant"]
+        _assert_matches(reentrant)
+        assert reentrant["chunks"] >= 4
+        assert reentrant["peak"] <= reentrant["capacity"] < reentrant["chunks"]
 
 
 def test_meta_init_materialises_rank0_values_on_every_rank(results):
