@@ -45,6 +45,7 @@ from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
+from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
@@ -329,6 +330,7 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
+        check_initialized(self.model)  # before planning, which reads the shapes too
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_unsupported_callbacks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

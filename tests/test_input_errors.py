@@ -357,6 +357,21 @@ def test_stochastic_weight_averaging_is_refused_before_training():
     assert trainer.global_step == 0
 
 
+def test_lazy_modules_must_be_initialized_first():
+    class Lazy(Backbone):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.LazyLinear(8)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elixir", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"parameters \['backbone.weight', 'backbone.bias'\] of lazy modules .* "
+                                         r"run one forward pass on a sample batch"):
+        trainer.fit(Lazy())
+    with pytest.raises(ValueError, match="lazy modules"):
+        ElixirRuntime(nn.Sequential(nn.LazyLinear(4)), ElixirPlan())
+
+
 def test_add_param_group_takes_module_parameters_and_refuses_offloaded_ones():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

@@ -47,6 +47,16 @@ def shared_param_names(module: nn.Module) -> set[str]:
     return {name for name, p in module.named_parameters() if len(owners[id(p)]) > 1}
 
 
+def check_initialized(module: nn.Module) -> None:
+    """Refuse lazy modules whose parameters have no shape yet: chunks are laid out from the shapes."""
+    lazy = [n for n, p in module.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(f"parameters {lazy[:3]} of lazy modules (nn.LazyLinear, ...) are not initialized yet, and "
+                         "chunks are laid out from parameter shapes; run one forward pass on a sample batch before "
+                         "training (e.g. at the end of __init__ or in configure_model), or give the layers their "
+                         "input sizes")
+
+
 def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private: Iterable[str] = (),
                   full_precision: Iterable[str] = ()) -> tuple[ChunkSpec, ...]:
     """The chunk layout for ``module``: the plan's own, validated, or packed in registration order.
@@ -56,6 +66,7 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     public chunks keep the compute dtype. An explicit layout is run as given: a chunk that holds
     such a parameter computes in full precision as a whole.
     """
+    check_initialized(module)
     named = list(module.named_parameters())
     unknown = sorted(set(private) - {n for n, _ in named})
     if unknown:

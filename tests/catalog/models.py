@@ -969,7 +969,7 @@ class WeightNormLogger(Callback):
 
 
 class HFModel(TokenLM):
-    def __init__(self, kind: str, dropout: bool = False) -> None:
+    def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False) -> None:
         super().__init__()
         import transformers as tr
 
@@ -991,6 +991,8 @@ class HFModel(TokenLM):
         config._attn_implementation = "eager"
         self.kind = kind
         self.model = cls(config)
+        if ckpt:
+            self.model.gradient_checkpointing_enable()
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -1291,12 +1293,53 @@ def lr_find_then_fit(ctx: Any) -> None:
     trainer.fit(ctx.model, ctx.data["train"])
 
 
+class HookNormalized(Classifier):
+    """The hook-based torch.nn.utils.spectral_norm and weight_norm: a forward pre-hook recomputes ``weight``
+    from ``weight_orig`` / ``weight_g``, ``weight_v`` (spectral norm also updates its ``u`` buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.utils.spectral_norm(nn.Linear(8, 16))
+        self.mid = nn.utils.weight_norm(nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+class FullBackwardHook(Classifier):
+    """A user's register_full_backward_hook on a layer, its gradient norm logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+        self.seen: list[float] = []
+        self.net[2].register_full_backward_hook(lambda m, gi, go: self.seen.append(go[0].norm().item()))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("grad_out_norm", self.seen[-1])
+
+
+class AllGatherInStep(Classifier):
+    """self.all_gather and self.log(sync_dist=True) inside training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("gathered_mean", self.all_gather(loss.detach()).mean())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the catalog
 
 
-def _hf(kind: str, dropout: bool = False) -> Callable[[], L.LightningModule]:
-    return lambda: HFModel(kind, dropout)
+def _hf(kind: str, dropout: bool = False, ckpt: bool = False) -> Callable[[], L.LightningModule]:
+    return lambda: HFModel(kind, dropout, ckpt)
 
 
 def _ema_extras(cbs: list[Callback]) -> dict:
@@ -1427,7 +1470,15 @@ CASES: list[Case] = [
     Case("model_summary_enabled", SequentialMLP, cls_data, trainer=dict(enable_model_summary=True)),
     Case("val_check_interval_mid_epoch", SequentialMLP, cls_data, trainer=dict(val_check_interval=2, max_epochs=2)),
     Case("lr_finder_then_fit", WithLR, cls_data, run=lr_find_then_fit),
+    Case("hook_based_spectral_and_weight_norm", HookNormalized, cls_data),
+    Case("full_backward_hook", FullBackwardHook, cls_data),
+    Case("all_gather_and_sync_dist_in_step", AllGatherInStep, cls_data),
+    Case("accumulation_uneven_epoch_end", SequentialMLP, lambda: cls_data(n=24), trainer=dict(accumulate_grad_batches=2)),
+    Case("fp16_mixed_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-mixed")),
+    Case("hf_gpt2_gradient_checkpointing", _hf("gpt2", ckpt=True), token_data, requires="transformers"),
 ]
+
+
 
 
 
