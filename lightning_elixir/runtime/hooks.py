@@ -62,6 +62,12 @@ class BackwardCall:
     pinned: bool = False
     hooked: bool = False
     """Whether its outputs carry the pre-backward hooks (registered once, by the forward hook)."""
+    has_inputs: bool = False
+    """Whether its inputs report their gradients (``Wait.INPUTS``)."""
+    generation: int = -1
+    """The backward in which its pre-backward last fired (``ElixirRuntime.micro_batches``, the backwards
+    finished before it): a graph kept by ``retain_graph``/``create_graph`` and differentiated again in a
+    later backward reopens the call there."""
 
 
 @dataclass(eq=False)
@@ -124,7 +130,9 @@ def _pre_forward(runtime: "ElixirRuntime", state: ModuleState):
                 return None
             call = BackwardCall(state, set(state.trainable))
             state.calls.append(call)
-            return _wrap_inputs(runtime, call, args, kwargs)
+            wrapped = _wrap_inputs(runtime, call, args, kwargs)
+            call.has_inputs = wrapped is not None
+            return wrapped
 
     return hook
 
@@ -156,11 +164,10 @@ def _register_pre_backward(runtime: "ElixirRuntime", call: BackwardCall, output:
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
         return
-    fired = [False]
 
     def hook(grad: torch.Tensor) -> None:
-        if not fired[0]:
-            fired[0] = True
+        if call.generation != runtime.micro_batches:  # the first of its outputs' gradients in this backward
+            call.generation = runtime.micro_batches
             with record_function("Elixir::pre_backward"):
                 runtime.before_call_backward(call)
 

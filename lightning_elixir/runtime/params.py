@@ -49,7 +49,7 @@ def _kind(func: Any) -> int:
     is_accessor = getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
     name = getattr(owner, "__name__", "") if is_accessor else getattr(func, "__name__", "")
     setter = is_accessor and func.__name__ != "__get__"
-    if name == "grad" and not setter:
+    if name == "grad" and is_accessor and not setter:  # the attribute, not torch.autograd.grad
         return _GRAD
     if name in _METADATA or (setter and name in ("data", "grad")):
         return _META

@@ -103,6 +103,10 @@ class ElixirRuntime:
         self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
         self._callback_queued = False
         self._recompute_pins: list[tuple[int, ...]] = []
+        self._creating_graph = False
+        """Whether the backward running now was asked for ``create_graph``."""
+        self._graph_pins: list[tuple[int, ...]] = []
+        """Chunks pinned for a later backward through a graph built by this one ([Note: backward through a backward])."""
         self._views: dict[int, nn.Parameter] = {}
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
@@ -253,7 +257,14 @@ class ElixirRuntime:
         """The first gradient reached one forward call's outputs: pin its chunks for its backward."""
         self._drop_recompute_pins()
         self._begin_backward()
+        if call not in call.state.calls:  # a graph differentiated again (retain_graph, create_graph): reopen
+            call.pending = set(call.state.trainable) | ({hooks.Wait.INPUTS} if call.has_inputs else set())
+            call.pinned = False
+            call.state.calls.append(call)
         self.cache.acquire(call.state.public_ids)
+        if self._creating_graph:  # the graph this backward builds reads these parameters in a later one
+            self.cache.acquire(call.state.public_ids)
+            self._graph_pins.append(call.state.public_ids)
         if self.timeline_recorder is not None:
             self.timeline_recorder.acquired("backward", call.state.name)
         call.pinned = True
@@ -297,6 +308,7 @@ class ElixirRuntime:
         if self._callback_queued:
             return
         self._callback_queued = True
+        self._creating_graph = torch.is_grad_enabled()  # the engine's grad mode is create_graph's
         self.access.flush_grads()
         Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -307,9 +319,25 @@ class ElixirRuntime:
             self._drop_recompute_pins()
             self.reductions.finish()
             self._release_backward_calls()
+            if not self._creating_graph:
+                self._release_graph_pins()
             self.access.release_sticky()
             self.cache.shrink()
             self.micro_batches += 1
+
+    def _release_graph_pins(self) -> None:
+        """A backward without ``create_graph`` is over: the graphs built by earlier ones have been used.
+
+        [Note: backward through a backward]
+        ``torch.autograd.grad(..., create_graph=True)`` (a penalty on gradients) builds a graph whose
+        nodes read the parameters when a later backward differentiates it, and they run before any
+        gradient reaches the modules' outputs, where the pre-backward hooks would gather them. So a
+        backward that creates a graph keeps every chunk it pins pinned until a backward that creates
+        none has finished (or the step ends): the parameters stay gathered in between, as the math
+        needs them.
+        """
+        while self._graph_pins:
+            self.cache.release_pins(self._graph_pins.pop())
 
     def _release_backward_calls(self) -> None:
         for state in self.states:
@@ -405,6 +433,7 @@ class ElixirRuntime:
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
+        self._release_graph_pins()
         self.access.release_sticky()
         self.cache.invalidate()
         for chunk in self.private:

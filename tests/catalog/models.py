@@ -1334,6 +1334,88 @@ class AllGatherInStep(Classifier):
         return loss
 
 
+class ManualMLP(Classifier):
+    """Manual optimization of a small MLP; subclasses write the training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = mlp(8, 16, 16, 4)
+
+
+class SAM(ManualMLP):
+    """Sharpness-aware minimization: ascend along the gradient, take the gradient there, step from the start."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        params = [p for p in self.parameters() if p.grad is not None]
+        with torch.no_grad():
+            norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+            eps = [0.05 * p.grad / (norm + 1e-12) for p in params]
+            for p, e in zip(params, eps):
+                p.add_(e)
+        opt.zero_grad()
+        self.manual_backward(self.loss(batch))
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+        opt.step()
+        self.log("train_loss", loss)
+        return loss.detach()
+
+
+class SelfTarget(Classifier):
+    """The same network under no_grad (a target) and with grad (a prediction) in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            target = self(x.flip(0)).softmax(-1)
+        out = self(x)
+        loss = F.cross_entropy(out, y) + F.mse_loss(out.softmax(-1), target)
+        self.log("train_loss", loss)
+        return loss
+
+
+class ParamGradPenalty(Classifier):
+    """A penalty on the gradient norm w.r.t. the parameters (torch.autograd.grad, create_graph=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4, act=nn.Tanh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        grads = torch.autograd.grad(loss, list(self.parameters()), create_graph=True)
+        total = loss + 0.1 * sum(g.pow(2).sum() for g in grads)
+        self.log("train_loss", total)
+        return total
+
+
+class RetainGraph(ManualMLP):
+    """Two losses through one graph: backward(retain_graph=True) on the first, then backward on the second."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        out = self(x)
+        l1 = F.cross_entropy(out, y)
+        l2 = out.pow(2).mean()
+        self.manual_backward(l1, retain_graph=True)
+        self.manual_backward(0.1 * l2)
+        opt.step()
+        self.log("train_loss", l1)
+        return l1.detach()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the catalog
 
@@ -1476,7 +1558,13 @@ CASES: list[Case] = [
     Case("accumulation_uneven_epoch_end", SequentialMLP, lambda: cls_data(n=24), trainer=dict(accumulate_grad_batches=2)),
     Case("fp16_mixed_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-mixed")),
     Case("hf_gpt2_gradient_checkpointing", _hf("gpt2", ckpt=True), token_data, requires="transformers"),
+    Case("sharpness_aware_minimization", SAM, cls_data),
+    Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
+    Case("gradient_norm_penalty_on_parameters", ParamGradPenalty, cls_data),
+    Case("retain_graph_two_backwards", RetainGraph, cls_data),
 ]
+
+
 
 
 
