@@ -531,7 +531,11 @@ class ElixirStrategy(ParallelStrategy):
         path = os.fspath(checkpoint_path)
         if self.runtime is None or not os.path.isdir(path):
             return super().load_checkpoint(checkpoint_path, **kwargs)  # a full file (ours, DDP's, one device's)
-        extra = load_sharded(self.runtime, self.optimizers, path)
+        # Optimizer states are restored only to fit, as Lightning does; outside fit (test(ckpt_path=...) after
+        # a fit) the strategy still holds the fit's optimizers, whose views belong to that fit's chunks.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        extra = load_sharded(self.runtime, self.optimizers if fitting else [], path)
         return {**extra, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
 
     @override

@@ -85,6 +85,21 @@ def test_convert_gives_a_full_checkpoint_for_the_plain_module(sharded, tmp_path)
     assert checkpoint["global_step"] == 3 and len(checkpoint["optimizer_states"]) == 1
 
 
+def test_validate_after_fit_loads_the_best_sharded_checkpoint_into_the_model(tmp_path):
+    """Outside fit only the model is loaded: the fit's optimizers (views of the fit's chunks) are left alone."""
+    L.seed_everything(0)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
+                        strategy=ElixirStrategy(plan="zero3", state_dict_type="sharded"), enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[best])
+    module, data = GPTLightningModule(**MODEL), BigramDataModule(**DATA)
+    trainer.fit(module, data)
+    score = float(best.best_model_score)  # the validation loss when the best checkpoint was saved
+    validated = trainer.validate(module, data, ckpt_path="best", verbose=False)
+    assert Path(best.best_model_path).is_dir()
+    assert validated[0]["val_loss"] == pytest.approx(score, rel=1e-6)
+
+
 class _Marked(L.LightningModule):
     """A 1024x1024 weight and a 16 MiB buffer: 24 MiB a checkpoint with SGD's momentum, of which a step
     updates 8, so that a step is mostly its save."""
