@@ -20,6 +20,16 @@ whose backward this is, and that call keeps the bookkeeping. Under reentrant che
 forward is then differentiated by a backward of its own, nested in this one, so it opens a call
 like any forward: without it the chunk could be released between the recomputation and that
 nested backward, which reads the parameters it saved.
+
+[Note: backward through a backward]
+A graph may be differentiated more than once. With ``retain_graph=True`` a later backward reaches
+the modules' outputs again: each call remembers the backward its pre-backward last fired in
+(``BackwardCall.generation``) and reopens there. ``torch.autograd.grad(..., create_graph=True)`` (a
+penalty on gradients) builds a graph whose nodes read the parameters when a later backward
+differentiates it, and they run before any gradient reaches the modules' outputs, where the
+pre-backward hooks would gather them. So a backward that creates a graph keeps every chunk it pins
+pinned until a backward that creates none has finished, or the step ends
+(``ElixirRuntime._release_graph_pins``): the parameters stay gathered in between, as the math needs.
 """
 
 from __future__ import annotations

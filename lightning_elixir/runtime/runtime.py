@@ -106,7 +106,7 @@ class ElixirRuntime:
         self._creating_graph = False
         """Whether the backward running now was asked for ``create_graph``."""
         self._graph_pins: list[tuple[int, ...]] = []
-        """Chunks pinned for a later backward through a graph built by this one ([Note: backward through a backward])."""
+        """Chunks pinned for a later backward through a graph this one builds (see _release_graph_pins)."""
         self._views: dict[int, nn.Parameter] = {}
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
@@ -326,16 +326,8 @@ class ElixirRuntime:
             self.micro_batches += 1
 
     def _release_graph_pins(self) -> None:
-        """A backward without ``create_graph`` is over: the graphs built by earlier ones have been used.
-
-        [Note: backward through a backward]
-        ``torch.autograd.grad(..., create_graph=True)`` (a penalty on gradients) builds a graph whose
-        nodes read the parameters when a later backward differentiates it, and they run before any
-        gradient reaches the modules' outputs, where the pre-backward hooks would gather them. So a
-        backward that creates a graph keeps every chunk it pins pinned until a backward that creates
-        none has finished (or the step ends): the parameters stay gathered in between, as the math
-        needs them.
-        """
+        """A backward without ``create_graph`` is over: the graphs earlier ones built have been used
+        ([Note: backward through a backward] in hooks.py)."""
         while self._graph_pins:
             self.cache.release_pins(self._graph_pins.pop())
 
