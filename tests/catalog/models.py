@@ -786,12 +786,18 @@ class L2Penalty(Classifier):
 # optimization
 
 
-class ManualOptimization(Classifier):
+class ManualMLP(Classifier):
+    """Manual optimization of a small MLP of ``sizes``; subclasses write the training step."""
+
+    sizes: tuple[int, ...] = (8, 16, 4)
+
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.net = mlp(8, 16, 4)
+        self.net = mlp(*self.sizes)
 
+
+class ManualOptimization(ManualMLP):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
         loss = self.loss(batch)
@@ -1110,13 +1116,8 @@ class GradPenalty(Classifier):
         return loss
 
 
-class TwoBackwards(Classifier):
+class TwoBackwards(ManualMLP):
     """Manual optimization: two manual_backward calls (two losses) before one step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.net = mlp(8, 16, 4)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
@@ -1131,13 +1132,8 @@ class TwoBackwards(Classifier):
         return (l1 + l2).detach()
 
 
-class ManualAccum(Classifier):
+class ManualAccum(ManualMLP):
     """Manual optimization stepping every second batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.net = mlp(8, 16, 4)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
@@ -1334,17 +1330,10 @@ class AllGatherInStep(Classifier):
         return loss
 
 
-class ManualMLP(Classifier):
-    """Manual optimization of a small MLP; subclasses write the training step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.net = mlp(8, 16, 16, 4)
-
-
 class SAM(ManualMLP):
     """Sharpness-aware minimization: ascend along the gradient, take the gradient there, step from the start."""
+
+    sizes = (8, 16, 16, 4)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
@@ -1401,6 +1390,8 @@ class ParamGradPenalty(Classifier):
 
 class RetainGraph(ManualMLP):
     """Two losses through one graph: backward(retain_graph=True) on the first, then backward on the second."""
+
+    sizes = (8, 16, 16, 4)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
