@@ -42,9 +42,10 @@ def param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
 
 
 def shared_param_names(module: nn.Module) -> set[str]:
-    """Parameters held by more than one module (tied weights, shared modules)."""
+    """Parameters held by more than one module object (tied weights). One module registered under two
+    names is not sharing: its hooks run once per call, as for a module called twice."""
     owners = param_owners(module)
-    return {name for name, p in module.named_parameters() if len(owners[id(p)]) > 1}
+    return {name for name, p in module.named_parameters() if len({id(m) for _, m in owners[id(p)]}) > 1}
 
 
 def check_initialized(module: nn.Module) -> None:

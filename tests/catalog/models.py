@@ -1407,6 +1407,67 @@ class RetainGraph(ManualMLP):
         return l1.detach()
 
 
+class TwoNames(Classifier):
+    """One layer registered under two attribute names, called through both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.Linear(16, 16)
+        self.inp = nn.Linear(8, 16)
+        self.a = layer
+        self.b = layer
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(self.inp(x))))))
+
+
+class DictReturn(Classifier):
+    """training_step returns a dict with the loss and detached outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict:
+        x, y = batch
+        out = self(x)
+        loss = F.cross_entropy(out, y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "logits": out.detach()}
+
+
+class ValOnlyParam(Classifier):
+    """A temperature used only in validation: under AdamW with weight decay it must never move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x) / self.temperature, y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class MultiVal(Classifier):
+    """Two validation dataloaders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log(f"val_loss_{dataloader_idx}", self.loss(batch), add_dataloader_idx=False)
+
+
+def _multi_val_data() -> dict[str, Any]:
+    return dict(train=loader(cls_set(seed=0)), val=[loader(cls_set(seed=1)), loader(cls_set(seed=2))])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the catalog
 
@@ -1553,7 +1614,14 @@ CASES: list[Case] = [
     Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
     Case("gradient_norm_penalty_on_parameters", ParamGradPenalty, cls_data),
     Case("retain_graph_two_backwards", RetainGraph, cls_data),
+    Case("one_layer_under_two_names", TwoNames, cls_data),
+    Case("training_step_returns_a_dict", DictReturn, cls_data),
+    Case("parameter_used_only_in_validation", ValOnlyParam, cls_data, ddp=dict(find_unused_parameters=True),
+         run=fit_then_validate),
+    Case("two_validation_dataloaders", MultiVal, _multi_val_data),
 ]
+
+
 
 
 
