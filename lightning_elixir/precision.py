@@ -38,26 +38,22 @@ class ElixirPrecision(Precision):
         self.scaler = DynamicLossScaler() if self.precision == "16-mixed" else None
         self.runtime: Any = None  # set by the strategy once the model is chunked
 
-    @property
-    def _true_half(self) -> bool:
-        return self.precision in ("bf16-true", "16-true")
-
     @override
     def convert_module(self, module: Module) -> Module:
-        if self._true_half:
+        if self.policy.true_low_precision:
             return module.to(self.compute_dtype)
         return module
 
     @override
     def convert_input(self, data: Any) -> Any:
         """True half precision: floating-point batch tensors in the model's dtype, as Lightning's HalfPrecision."""
-        if not self._true_half:
+        if not self.policy.true_low_precision:
             return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
 
     @contextlib.contextmanager
     def _default_dtype(self) -> Generator[None, None, None]:
-        if not self._true_half:
+        if not self.policy.true_low_precision:
             yield
             return
         previous = torch.get_default_dtype()

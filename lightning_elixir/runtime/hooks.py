@@ -122,8 +122,8 @@ def install(runtime: "ElixirRuntime", module: nn.Module) -> list[ModuleState]:
         if not direct:
             continue
         public = runtime.public_chunk_ids(direct)
-        trainable = frozenset(id(p) for p in direct if p.requires_grad and runtime.is_public(p))
-        state = ModuleState(name or "<root>", public, trainable, frozenset(id(p) for p in direct))
+        param_ids = frozenset(id(p) for p in direct)
+        state = ModuleState(name or "<root>", public, runtime.trainable.trainable_ids(param_ids), param_ids)
         state.handles.append(mod.register_forward_pre_hook(_pre_forward(runtime, state), with_kwargs=True))
         state.handles.append(mod.register_forward_hook(_post_forward(runtime, state), always_call=True))
         states.append(state)

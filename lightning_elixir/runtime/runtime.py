@@ -96,6 +96,7 @@ class ElixirRuntime:
         spare = spare_blocks(self.plan.cache_blocks)  # "min" or "min+K": the fewest blocks (+ K), grown as needed
         self.cache = ChunkCache(self.public, self._capacity(), grow_cache or spare is not None, self.plan.prefetch_depth)
         self.access = AccessGuard(self)
+        self.trainable = Trainable(self)  # before the hooks: their backward waits are its trainable parameters
         self.states = hooks.install(self, module)
         if spare is not None:
             fewest = max([len(s.public_ids) for s in self.states] + [1])
@@ -111,7 +112,6 @@ class ElixirRuntime:
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
         self.reductions = Reductions(self.chunks, self.offload, self._chunk_views)
-        self.trainable = Trainable(self)
         for chunk in self.chunks:
             for slot in chunk.slots:
                 chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
