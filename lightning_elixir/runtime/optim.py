@@ -11,9 +11,11 @@ state dict keeps one entry per original parameter, in the original order.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.optim import Optimizer
@@ -27,6 +29,42 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.Rprop,
     torch.optim.ASGD,
 )
+"""torch's optimizers whose update of each element reads only that element (and scalars: lr, step)."""
+_declared: set[type] = set()
+"""Classes declared element-wise with ``elementwise_optimizer``."""
+
+
+def elementwise_optimizer(cls: type) -> type:
+    """Declare an optimizer class element-wise, so that it can run on parameter shards; returns ``cls``.
+
+    Use it as a class decorator on an optimizer whose update of each parameter element reads only
+    that element's parameter, gradient and state (and scalars such as lr or the step count): Lion,
+    a subclass of SGD that overrides ``step`` to log. Norms, means or shapes of whole parameters
+    (LARS, LAMB, Adafactor, Muon) are not element-wise: on a shard they would see a slice only.
+    Offloaded chunks run extra instances of the class built as ``cls(param_groups)`` ([Note: shadow
+    optimizers] in shadow.py), so every constructor argument other than the parameters needs a default.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise TypeError(f"elementwise_optimizer expects a torch.optim.Optimizer subclass, got {cls!r}")
+    _declared.add(cls)
+    return cls
+
+
+def _step_not_element_wise(cls: type) -> Optional[str]:
+    """None when ``cls`` runs on shards; else why not, for the error.
+
+    A class is element-wise when it is one of torch's element-wise optimizers or was declared so, or
+    when it inherits ``step`` from such a class unchanged (a subclass that only sets defaults). A
+    subclass that overrides ``step`` may compute per-parameter norms: it has to be declared.
+    ``Optimizer.__init__`` wraps each class's ``step`` in a profiling hook (``functools.wraps``), so
+    functions are compared unwrapped."""
+    for base in cls.__mro__:
+        if base in _declared or base in ELEMENTWISE_OPTIMIZERS:
+            if inspect.unwrap(cls.step) is inspect.unwrap(base.step):
+                return None
+            return (f"{cls.__name__} overrides {base.__name__}.step, so it may not be element-wise: "
+                    "per-parameter norms or shapes would be computed on this rank's shard only")
+    return f"{cls.__name__} is not element-wise, so it cannot run on parameter shards"
 
 
 def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
@@ -40,10 +78,12 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
     if cls.__name__ == "_MockOptimizer" and cls.__module__ in ("lightning.pytorch.core.optimizer",
                                                                "pytorch_lightning.core.optimizer"):
         return optimizer
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    problem = _step_not_element_wise(cls)
+    if problem is not None:
         names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
-        raise TypeError(f"{type(optimizer).__name__} is not element-wise, so it cannot run on parameter shards; "
-                        f"use one of: {names}")
+        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), or, if each element's "
+                        "update reads only that element and scalars (as Lion's does), declare the class with "
+                        "@lightning_elixir.elementwise_optimizer")
     if any(optimizer.state.values()):
         raise ValueError("the optimizer already has state; create it in configure_optimizers (before any step) "
                          "and load optimizer state through the strategy's checkpoint loading")

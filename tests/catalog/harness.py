@@ -61,8 +61,10 @@ def one_param_per_chunk_plan(case: Any) -> Any:
     from lightning_elixir.runtime.layout import shared_param_names
 
     model = case.module()
-    if is_overridden("configure_model", model):  # meta init: pack from a shape-only copy
-        with torch.device("meta"):
+    with torch.device("meta"):  # layers built in setup or configure_model (meta init): a shape-only copy
+        if is_overridden("setup", model):
+            model.setup("fit")
+        if is_overridden("configure_model", model):
             model.configure_model()
     shared = shared_param_names(model)
     chunks = tuple(ChunkSpec((name,), numel=max(round_up(p.numel(), WORLD_SIZE), WORLD_SIZE), private=name in shared)

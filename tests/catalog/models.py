@@ -27,6 +27,8 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from tests.optimizers import Lion
+
 # ---------------------------------------------------------------------------------------------------------------------
 # case description
 
@@ -1468,6 +1470,92 @@ def _multi_val_data() -> dict[str, Any]:
     return dict(train=loader(cls_set(seed=0)), val=[loader(cls_set(seed=1)), loader(cls_set(seed=2))])
 
 
+class WithLion(Classifier):
+    """An optimizer torch does not ship (Lion), declared element-wise, with weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def configure_optimizers(self) -> Any:
+        return Lion(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class OneCycle(Classifier):
+    """OneCycleLR cycling AdamW's betas per step, or ReduceLROnPlateau on a loss averaged over ranks."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.net = mlp(8, 16, 4)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.kind == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=8, base_momentum=0.5,
+                                                        max_momentum=0.95)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "mean_loss", "interval": "step"}}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("mean_loss", loss, sync_dist=True)  # the plateau decision must agree across ranks
+        return loss
+
+
+class BuiltInSetup(Classifier):
+    """The head is built in ``setup`` (its size known from the data only then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(8, 16)
+        self.head: Optional[nn.Module] = None
+
+    def setup(self, stage: str) -> None:
+        if self.head is None:
+            self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+class LayerDrop(Classifier):
+    """Stochastic depth decided from the step number (the same on every rank): the layers run change per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        g = torch.Generator().manual_seed(self.global_step if self.training else 0)
+        keep = torch.rand(len(self.blocks), generator=g) > 0.5
+        for block, k in zip(self.blocks, keep.tolist()):
+            if k or not self.training:
+                h = h + torch.tanh(block(h))
+        return self.head(h)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # a skipped block's zero or None gradient: same update
+
+
+class FunctionalCall(Classifier):
+    """torch.func.functional_call over the module's own parameters plus a perturbation (MAML-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        params = {k: v * 1.01 for k, v in self.net.named_parameters()}
+        out = torch.func.functional_call(self.net, params, (x,))
+        return F.cross_entropy(out, y)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the catalog
 
@@ -1619,6 +1707,13 @@ CASES: list[Case] = [
     Case("parameter_used_only_in_validation", ValOnlyParam, cls_data, ddp=dict(find_unused_parameters=True),
          run=fit_then_validate),
     Case("two_validation_dataloaders", MultiVal, _multi_val_data),
+    Case("declared_elementwise_optimizer_lion", WithLion, cls_data),
+    Case("onecycle_cycling_betas", lambda: OneCycle("onecycle"), cls_data),
+    Case("reduce_lr_on_plateau", lambda: OneCycle("plateau"), cls_data, ddp_check=_check_lrs_change),
+    Case("layers_built_in_setup", BuiltInSetup, cls_data),
+    Case("layerdrop_by_step", LayerDrop, cls_data, ddp=dict(find_unused_parameters=True)),
+    Case("functional_call_over_own_parameters", FunctionalCall, cls_data),
+    Case("fp16_true_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-true"), tol=BF16_TRUE),
 ]
 
 

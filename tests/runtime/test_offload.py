@@ -26,6 +26,7 @@ from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.state_dict import (full_optimizer_state_dict, full_state_dict,
                                                  load_full_optimizer_state_dict, load_full_state_dict)
 from tests.distributed import run_distributed
+from tests.optimizers import Lion
 from tests.runtime.workloads import NO_BIAS, Run, _dtypes, batches, loss_of
 
 CHUNK_NUMEL = 4097
@@ -55,6 +56,8 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
                                   "betas": (0.8, 0.9)}], lr=3e-3, betas=(0.9, 0.95))
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    if kind == "lion":  # declared element-wise: the shadows are instances of a class torch does not ship
+        return Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
     raise ValueError(kind)
 
 
@@ -119,6 +122,7 @@ CASES = {
     "adam": Case("adam"),
     "adamw-groups": Case("adamw"),
     "sgd-momentum": Case("sgd"),
+    "declared-lion": Case("lion"),
     "lr-schedule": Case("adamw", schedule=True),
     "clip-norm": Case("adamw", clip_norm=0.05),
     "accumulation": Case("adamw", micro_batches=3, steps=4),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
 from lightning_elixir.runtime.cache import CacheTooSmallError
-from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.optim import elementwise_optimizer, optimizer_step, shard_optimizer
 from lightning_elixir.runtime.params import ChunkedParameter
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.state_dict import (
@@ -102,6 +102,42 @@ def test_lbfgs_is_rejected_with_the_supported_list():
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
     with pytest.raises(TypeError, match="LBFGS is not element-wise.*AdamW"):
         shard_optimizer(runtime, torch.optim.LBFGS(model.parameters()))
+
+
+class _LoggingSGD(torch.optim.SGD):
+    """Sets defaults only: SGD's own step runs."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, lr=lr, momentum=0.9)
+
+
+class _TrustRatioSGD(torch.optim.SGD):
+    """Overrides step with a per-parameter norm: not element-wise."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-6))
+        return super().step(closure)
+
+
+def test_a_subclass_that_overrides_step_must_be_declared_element_wise():
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    with pytest.raises(TypeError, match=r"_TrustRatioSGD overrides SGD.step.*@lightning_elixir.elementwise_optimizer"):
+        shard_optimizer(runtime, _TrustRatioSGD(model.parameters(), lr=0.1))
+    assert shard_optimizer(runtime, _LoggingSGD(model.parameters())).param_groups[0]["momentum"] == 0.9
+
+
+def test_a_declared_optimizer_runs_on_shards_and_the_declaration_checks_its_argument():
+    from tests.optimizers import Lion
+
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    shard_optimizer(runtime, Lion(model.parameters()))
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer subclass"):
+        elementwise_optimizer(object)
 
 
 def test_optimizer_over_foreign_parameters_is_rejected():
