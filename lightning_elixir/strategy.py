@@ -44,7 +44,7 @@ from lightning_elixir.planner import PlanningResult
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
-from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
+from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group, agreed_max
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
@@ -427,6 +427,24 @@ class ElixirStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step(evaluating=True):
             return super().predict_step(*args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._check_agreement()
+
+    @override
+    def on_test_end(self) -> None:
+        self._check_agreement()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._check_agreement()
+
+    def _check_agreement(self) -> None:
+        """A forward-only loop has no optimizer step that compares what the ranks gathered: compare it
+        now ([Note: silent divergence] in runtime/collectives.py)."""
+        if self.runtime is not None:
+            agreed_max(torch.zeros(0, device=self.root_device), self.runtime.group)
 
     @contextmanager
     def gathered_params(self, params: Optional[Iterable[torch.nn.Parameter]] = None,

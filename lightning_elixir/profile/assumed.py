@@ -58,12 +58,20 @@ class AssumedValues(TorchDispatchMode):
 
     ``.numpy()``, ``.tolist()`` and ``format`` of fake tensors give the same assumed values (see
     ``host_conversions``). An operator not listed here still raises, and the caller falls back.
+
+    ``opposite=True`` answers the other way where an answer chooses a path: masks select nothing
+    and unknown booleans read True. The profile traces a step that way too when the first trace
+    had to assume anything, to find modules whose calls depend on tensor values ([Note:
+    value-dependent module calls] in model.py).
     """
 
-    def __init__(self, fake_mode: FakeTensorMode) -> None:
+    def __init__(self, fake_mode: FakeTensorMode, opposite: bool = False) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self.opposite = opposite
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the value of all its elements
+        self.assumed = False
+        """Whether any answer depended on an assumption (a read or shape nobody knew)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
         kwargs = kwargs or {}
@@ -98,12 +106,16 @@ class AssumedValues(TorchDispatchMode):
         known = self.known.get(t)
         if known is not None:
             return _cast(known, t.dtype)
-        return _cast(False if t.dtype == torch.bool else 1, t.dtype)
+        self.assumed = True
+        return _cast(self.opposite if t.dtype == torch.bool else 1, t.dtype)
 
     def selected(self, mask: torch.Tensor, numel: int) -> int:
-        """How many of ``numel`` elements a mask selects: all, unless it is known to be all False."""
+        """How many of ``numel`` elements a mask selects: all (none when ``opposite``), unless known."""
         known = self.known.get(mask)
-        return 0 if known is not None and not known else numel
+        if known is not None:
+            return numel if known else 0
+        self.assumed = True
+        return 0 if self.opposite else numel
 
     def _fake_if_real(self, t: torch.Tensor) -> torch.Tensor:
         return t if isinstance(t, FakeTensor) else self.fake_mode.from_tensor(t)

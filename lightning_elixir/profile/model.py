@@ -10,14 +10,29 @@ assumed answers ([Note: assumed values] in assumed.py), manual optimization runs
 and the module's state and the global random generators are put back afterwards, so profiling
 changes nothing the run sees. ``backward=False`` profiles a forward-only step (validation, test,
 prediction) under ``torch.no_grad`` in eval mode.
+
+[Note: value-dependent module calls]
+Under ZeRO-3 a module's chunks are gathered when it runs, and every rank must issue the same
+gathers. A module whose call depends on each rank's data breaks that: a mixture-of-experts layer
+that skips the experts no token chose, a loop whose length comes from ``.item()``. When the
+trace had to assume values, the step is traced a second time with the opposite assumptions
+(masks select nothing, unknown booleans read True: ``AssumedValues(opposite=True)``), and a
+module that holds parameters and runs a different number of times in the two traces is taken to
+be value-dependent. Its parameters are listed in ``conditional_params`` and among the
+``shared_params``, so the search gives them private chunks: gathered at the start of the step
+on every rank and reduced in a fixed order, which no rank's control flow changes. A second trace
+that fails (the step cannot run with nothing selected) finds nothing; the runtime's check then
+names the problem should ranks diverge ([Note: silent divergence] in runtime/collectives.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +109,11 @@ def profile_model(
     table = ParamTable.from_module(module)
     tracer = StepTracer(table, hardware)
     start_s = time.perf_counter()
-    _trace(module, batch, step_fn, tracer, _Settings(compute_dtype, device, param_dtype, backward))
+    settings = _Settings(compute_dtype, device, param_dtype, backward)
+    assumed = _trace(module, batch, step_fn, tracer, settings)
     profile = _assemble(table, tracer, tracer.finish(), compute_dtype)
+    if assumed:
+        profile = _with_conditional(profile, table, _value_dependent(module, batch, step_fn, table, settings, profile))
     log.debug("profiled %d parameters, %d accesses in %.2f s", len(profile.params), len(profile.accesses),
               time.perf_counter() - start_s)
     return profile
@@ -132,8 +150,40 @@ class _Settings:
     backward: bool
 
 
-def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, settings: _Settings) -> None:
-    """Run the step once on fake tensors with ``tracer`` attached; leave the module and RNG as they were."""
+def _value_dependent(module: nn.Module, batch: Any, step_fn: StepFn, table: ParamTable, settings: _Settings,
+                     profile: ModelProfile) -> list[str]:
+    """Modules whose forward calls depend on assumed values ([Note: value-dependent module calls])."""
+    tracer = StepTracer(table)
+    try:
+        _trace(module, batch, step_fn, tracer, settings, opposite=True)
+    except Exception as err:  # noqa: BLE001 - the step may not run with nothing selected; then nothing is found
+        log.debug("the trace with opposite assumptions failed (%s): no value-dependent modules found", err)
+        return []
+    first, second = _forward_calls(profile.accesses), _forward_calls(tracer.finish())
+    return sorted(name for name in first.keys() | second.keys() if first.get(name, 0) != second.get(name, 0))
+
+
+def _forward_calls(accesses: Iterable[Access]) -> Counter:
+    """How many times each module that holds parameters ran forward (op-level accesses aside)."""
+    return Counter(a.module for a in accesses if a.phase == "forward" and not a.op)
+
+
+def _with_conditional(profile: ModelProfile, table: ParamTable, modules: list[str]) -> ModelProfile:
+    """The profile with the parameters of value-dependent ``modules`` listed (and given private chunks)."""
+    names = tuple(dict.fromkeys(n for m in modules for n in table.direct.get(m, ())))
+    if not names:
+        return profile
+    log.info("modules whose calls depend on tensor values (%s) get private chunks: every rank gathers them "
+             "for the whole step, so ranks may skip them", ", ".join(modules))
+    extra = tuple(n for n in names if n not in profile.shared_params)
+    return dataclasses.replace(profile, shared_params=profile.shared_params + extra, conditional_params=names)
+
+
+def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, settings: _Settings,
+           opposite: bool = False) -> bool:
+    """Run the step once on fake tensors with ``tracer`` attached; leave the module and RNG as they were.
+    Returns whether any answer was assumed; ``opposite``: assume the other way ([Note: value-dependent
+    module calls])."""
     with preserved_rng(cuda=settings.device.type == "cuda"), preserved_state(module):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         params = fake_parameters(module, mode, settings.device, settings.param_dtype)
@@ -141,7 +191,7 @@ def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, s
         inputs = fake_batch(batch, mode, settings.device)
         stand_ins = StepStandIns(module, lambda loss, *args, **kwargs: _backward(tracer, loss, *args, **kwargs))
         wrapper = StepModule(module, _runner(step_fn, tracer, settings, stand_ins))
-        with _step_contexts(module, mode, tracer, params, stand_ins, settings.backward):
+        with _step_contexts(module, mode, tracer, params, stand_ins, settings.backward, opposite) as values:
             try:
                 torch.func.functional_call(wrapper, state, (inputs,), tie_weights=True)
             except DataDependentOutputException as err:
@@ -151,17 +201,18 @@ def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, s
             except DynamicOutputShapeException as err:
                 raise ProfileError(f"the step calls {err.func}, whose output shape depends on tensor values the "
                                    "trace cannot bound; pass a step_fn without it") from err
+    return values.assumed
 
 
 @contextlib.contextmanager
 def _step_contexts(module: nn.Module, mode: FakeTensorMode, tracer: StepTracer, params: dict[str, nn.Parameter],
-                   stand_ins: StepStandIns, backward: bool) -> Iterator[None]:
+                   stand_ins: StepStandIns, backward: bool, opposite: bool = False) -> Iterator[AssumedValues]:
     """Module modes, stand-ins and hooks, then the dispatch modes (the last entered sees operators first)."""
     with training_mode(module, training=backward), quiet_logging(module), stand_ins.installed():
         with tracer.attached(module, params), mode, tracer.op_mode():
-            values = AssumedValues(mode)
+            values = AssumedValues(mode, opposite)
             with values, host_conversions(values):
-                yield
+                yield values
 
 
 def _runner(step_fn: StepFn, tracer: StepTracer, settings: _Settings, stand_ins: StepStandIns) -> StepFn:

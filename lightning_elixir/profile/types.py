@@ -108,11 +108,15 @@ class ModelProfile:
     """Estimated compute time of the forward in seconds."""
     backward_compute_s: float = 0.0
     """Estimated compute time of the backward (including recomputation) in seconds."""
+    conditional_params: tuple[str, ...] = ()
+    """Parameters of modules whose calls depend on tensor values; also in ``shared_params``, so they get
+    private chunks ([Note: value-dependent module calls] in model.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "accesses", tuple(self.accesses))
         object.__setattr__(self, "shared_params", tuple(self.shared_params))
+        object.__setattr__(self, "conditional_params", tuple(self.conditional_params))
         names = {p.name for p in self.params}
         unknown = {n for a in self.accesses for n in a.params} - names
         if unknown:

@@ -49,6 +49,18 @@ the group's count of collectives issued so far (``Group.issued``): a rank whose 
 diverged from the others' has issued a different number of gathers, posts a different tag, and
 its exchange waits, then fails as every unmatched collective does ([Note: bounded waits]). With a
 single tag, a diverged rank would pair its exchange with a peer's and finish its step on wrong sums.
+
+[Note: silent divergence]
+Bounded waits catch ranks whose collectives stop matching. Some divergence completes instead: one
+rank runs expert 0 of a mixture-of-experts layer and gathers its chunk while another runs expert 1
+and gathers that one; the chunks have the same size, so the all-gathers pair up (NCCL and gloo match
+collectives by order, not by content) and each rank computes with a chunk made of slices of two
+different chunks. Nothing fails, and the values are wrong. So each group keeps one fingerprint of
+the chunks it has all-gathered and one of the chunks it has reduce-scattered, in order, and
+``agreed_max`` compares them across ranks inside an all-reduce that happens anyway: the one that
+decides which parameters no rank used, before every optimizer step (runtime/trainable.py). A
+mismatch raises ``RankDivergenceError`` before the update is applied. Forward-only loops
+(validation, test, prediction) have no such all-reduce; the strategy checks once at the end of each.
 """
 
 from __future__ import annotations
@@ -70,6 +82,9 @@ _WAIT_SLICE_S = 1.0
 """Longest host wait between chances for Python signal handlers to run."""
 _MAX_TAG = 2 ** 30
 """Point-to-point tags run over 1.._MAX_TAG (tag 0 is ``gather_to_first``'s)."""
+_SIGNATURE_MOD = 16_777_213
+"""A prime below 2**24: a signature is an integer that float32 holds exactly."""
+_SIGNATURE_MUL = 1_000_003
 
 
 class RankDivergenceError(RuntimeError):
@@ -92,11 +107,19 @@ class Group:
     issued: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
     """How many collectives this group has issued (one cell, shared by copies of the group): the
     tag of a point-to-point exchange ([Note: reduce-scatter on gloo])."""
+    signature: list[int] = field(default_factory=lambda: [0, 0], compare=False, repr=False)
+    """Fingerprints of the chunks gathered and reduced since the last ``check_agreement`` ([Note:
+    silent divergence]); shared by copies of the group, like ``issued``."""
 
     def next_tag(self) -> int:
         """Count one more collective; the tag its point-to-point messages carry."""
         self.issued[0] += 1
         return self.issued[0] % _MAX_TAG + 1
+
+    def note(self, kind: int, chunk: Optional[int]) -> None:
+        """Fold one chunk collective (``kind`` 0: all-gather, 1: reduce-scatter) into the signature."""
+        if chunk is not None:
+            self.signature[kind] = (self.signature[kind] * _SIGNATURE_MUL + chunk + 1) % _SIGNATURE_MOD
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -182,9 +205,10 @@ def _message(pending: Pending, waited_s: float, err: Optional[BaseException]) ->
     return (f"rank {group.rank}: {what}. The ranks did not issue the same collectives in this step (unless another "
             "rank failed first with an error of its own, which is then the cause): most often control flow that "
             "depends on each rank's data differs between ranks (one rank ran a module that holds parameters, "
-            "another skipped it), or code reads parameters on some ranks only. Make that control flow agree across "
-            "ranks (decide branches from values every rank shares, or run every module on every rank and mask its "
-            "output). If a collective is legitimately slower (a rank delayed by work the others do not do), raise "
+            "another skipped it), or code reads parameters on some ranks only. Give the parameters of a module that "
+            "runs on some ranks only private chunks (ElixirStrategy(private_params=[...])), which stay gathered "
+            "through the step, or make that control flow agree across ranks (decide branches from values every "
+            "rank shares, or run every module on every rank and mask its output). If a collective is legitimately slower (a rank delayed by work the others do not do), raise "
             f"collective_timeout_s (now {limit}).")
 
 
@@ -234,6 +258,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
             out.copy_(shard)
             return _Done() if async_op else None
         group.next_tag()
+        group.note(0, chunk)
         work = _ALL_GATHER(_pg(group), out, shard, _options(dist.distributed_c10d.AllgatherOptions(), group, async_op))
         return _issue(work, group, _describe("all-gather", out, chunk), out, async_op)
 
@@ -276,6 +301,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
             return _Done() if async_op else None
         what = _describe("reduce-scatter of gradients", full, chunk)
         tag = group.next_tag()
+        group.note(1, chunk)
         if full.device.type == "cpu":
             return _exchange(out, full, group, tag, what, async_op, received)
         opts = _options(dist.distributed_c10d.ReduceScatterOptions(), group, async_op)
@@ -342,6 +368,34 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:
 def all_reduce_max(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """Take the elementwise max of ``tensor`` over ranks in place."""
     return _all_reduce(tensor, group, dist.ReduceOp.MAX, "all-reduce (max)")
+
+
+def agreed_max(values: torch.Tensor, group: Group) -> list[float]:
+    """The elementwise max over ranks of a 1-D float32 ``values``, as a list, in the same all-reduce
+    checking that every rank gathered and reduced the same chunks since the last check ([Note:
+    silent divergence]); raises ``RankDivergenceError`` otherwise. Resets the signature."""
+    signature = [float(s) for s in group.signature for s in (s, -s)]
+    group.signature[:] = [0, 0]
+    if group.world_size == 1:
+        return values.tolist()
+    extra = torch.tensor(signature, dtype=torch.float32, device=values.device)
+    out = all_reduce_max(torch.cat([values.float(), extra]), group).tolist()
+    n = values.numel()
+    for kind, (high, neg_low) in enumerate(zip(out[n::2], out[n + 1::2])):
+        if high != -neg_low:
+            raise RankDivergenceError(_diverged_message(group, ("all-gathers", "reduce-scatters")[kind]))
+    return out[:n]
+
+
+def _diverged_message(group: Group, what: str) -> str:
+    return (f"rank {group.rank}: the ranks issued their chunk {what} for different chunks since the last check, so "
+            "each rank received other ranks' slices of a different chunk and computed with wrong values (no "
+            "optimizer step has used them). A module that holds parameters ran on some ranks only: a "
+            "mixture-of-experts layer that skips the experts no token chose, code under `if self.global_rank == "
+            "0`, a branch on each rank's data. Give that module's parameters private chunks "
+            "(ElixirStrategy(private_params=[...]); with plan='auto' the profile finds such modules when their "
+            "call depends on tensor values): they stay gathered through the step and every rank reduces them, "
+            "so ranks may skip them. Or run the module on every rank and mask its output.")
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:

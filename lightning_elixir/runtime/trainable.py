@@ -22,7 +22,8 @@ reduce-scatter), so before each optimizer step ``settle_unused`` exchanges one f
 (did this rank see its gradient since the shard was last overwritten), takes the maximum over the
 ranks, and sets the gradient of the views that no rank saw back to None. A parameter used on some
 ranks only keeps its gradient (the others contributed zero), exactly as DDP averages it. The
-exchange is one small all-reduce per optimizer step.
+exchange is one small all-reduce per optimizer step, which also compares what the ranks gathered
+([Note: silent divergence] in collectives.py).
 """
 
 from __future__ import annotations
@@ -94,11 +95,9 @@ def settle_unused(runtime: "ElixirRuntime", optimizer: Any) -> None:
     """Set to None the gradients of ``optimizer``'s shard views whose parameter no rank used."""
     stepped = {id(q) for group in optimizer.param_groups for q in group["params"]}
     pairs = [(pid, view) for pid, view in runtime.shard_views().items() if view.requires_grad and id(view) in stepped]
-    if not pairs:
-        return
     seen = runtime.reductions.seen
     local = torch.tensor([float(pid in seen) for pid, _ in pairs], dtype=torch.float32, device=runtime.device)
-    used = collectives.all_reduce_max(local, runtime.group).tolist()
+    used = collectives.agreed_max(local, runtime.group)  # also: did every rank gather the same chunks?
     for (_, view), anywhere in zip(pairs, used):
         if not anywhere:
             view.grad = None

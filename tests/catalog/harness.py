@@ -67,7 +67,8 @@ def one_param_per_chunk_plan(case: Any) -> Any:
         if is_overridden("configure_model", model):
             model.configure_model()
     shared = shared_param_names(model)
-    chunks = tuple(ChunkSpec((name,), numel=max(round_up(p.numel(), WORLD_SIZE), WORLD_SIZE), private=name in shared)
+    private = set(shared) | set(case.private)
+    chunks = tuple(ChunkSpec((name,), numel=max(round_up(p.numel(), WORLD_SIZE), WORLD_SIZE), private=name in private)
                    for name, p in model.named_parameters())
     return ElixirPlan(chunks=chunks, world_size=WORLD_SIZE, cache_blocks="min", name="zero3-1pp")
 

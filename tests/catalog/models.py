@@ -98,6 +98,9 @@ class Case:
     """A module that must be importable (the test skips otherwise)."""
     ddp_check: Optional[Callable[[list[dict]], None]] = None
     """An extra assertion on DDP's results (per-rank list): that the case exercises what it claims."""
+    private: tuple[str, ...] = ()
+    """Parameters an explicit plan gives private chunks (modules that run on some ranks only), as its
+    author would; plan "auto" finds them itself."""
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -1466,6 +1469,37 @@ class MultiVal(Classifier):
         self.log(f"val_loss_{dataloader_idx}", self.loss(batch), add_dataloader_idx=False)
 
 
+class SkippingMoE(Classifier):
+    """Top-1 mixture of experts that skips the experts no sample chose: each rank runs the experts its
+    own batch routes to, so the ranks run different modules in the same step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.gate = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(mlp(16, 16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        probs = self.gate(h).softmax(-1)
+        choice = probs.argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(h[rows]) * probs[rows, e:e + 1])
+        if self.training:
+            self.log("routing", float(sum(2 ** e for e in choice.unique().tolist())))
+        return self.head(h + out)
+
+
+def _check_ranks_route_differently(results: list[dict]) -> None:
+    routes = [[m["routing"] for m in r["step_metrics"]] for r in results]
+    assert any(a != b for a, b in zip(*routes)), routes
+
+
 def _multi_val_data() -> dict[str, Any]:
     return dict(train=loader(cls_set(seed=0)), val=[loader(cls_set(seed=1)), loader(cls_set(seed=2))])
 
@@ -1708,6 +1742,9 @@ CASES: list[Case] = [
          run=fit_then_validate),
     Case("two_validation_dataloaders", MultiVal, _multi_val_data),
     Case("declared_elementwise_optimizer_lion", WithLion, cls_data),
+    Case("moe_skipping_unchosen_experts_per_rank", SkippingMoE, cls_data, run=fit_then_validate,
+         ddp=dict(find_unused_parameters=True), ddp_check=_check_ranks_route_differently,
+         private=tuple(f"experts.{e}.{i}.{k}" for e in range(4) for i in (0, 2) for k in ("weight", "bias"))),
     Case("onecycle_cycling_betas", lambda: OneCycle("onecycle"), cls_data),
     Case("reduce_lr_on_plateau", lambda: OneCycle("plateau"), cls_data, ddp_check=_check_lrs_change),
     Case("layers_built_in_setup", BuiltInSetup, cls_data),

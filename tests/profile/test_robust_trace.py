@@ -366,3 +366,43 @@ def test_assumed_values_read_finite_data():
             assert torch.unique(labels).shape == (1,) and torch.bincount(labels, minlength=7).shape == (7,)
             assert torch.tensor(7).item() == 7  # constants keep their value
             assert x.numpy().shape == (4, 3) and labels.tolist() == [1] * 5 and f"{loss:.2f}" == "1.00"
+
+
+class Experts(Classifier):
+    """Experts a top-1 gate chose; the rest are skipped, by a nonzero count or by a boolean read."""
+
+    def __init__(self, test: str) -> None:
+        super().__init__()
+        self.test = test
+        self.gate = nn.Linear(16, 3)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        choice = self.gate(h).argmax(-1)
+        for e, expert in enumerate(self.experts):
+            if self.test == "nonzero":
+                rows = (choice == e).nonzero(as_tuple=True)[0]
+                if rows.numel():
+                    h = h.index_add(0, rows, expert(h[rows]))
+            elif (choice == e).any():
+                h = h + expert(h) * (choice == e).unsqueeze(-1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("test", ["nonzero", "any"])
+def test_modules_whose_calls_depend_on_values_get_private_chunks(test):
+    profile = profile_model(Experts(test), _batch())
+    experts = {f"experts.{e}.{k}" for e in range(3) for k in ("weight", "bias")}
+    assert set(profile.conditional_params) == experts
+    assert experts <= set(profile.shared_params)
+    assert type(profile).from_json(profile.to_json()).conditional_params == profile.conditional_params
+    options = SearchOptions(world_size=2, micro_batches=1, allow_cpu=False, nvme_available=False)
+    plan, _ = search(profile, hardware(world_size=2), 1 << 30, options)
+    private = {name for chunk in plan.chunks if chunk.private for name in chunk.params}
+    assert experts <= private
+
+
+@pytest.mark.parametrize("module_class", [ReadsItem, SkipsNonFinite, ReadsList, MasksBatch])
+def test_value_reads_that_change_no_module_call_find_no_conditional_modules(module_class):
+    assert profile_model(module_class(), _batch()).conditional_params == ()

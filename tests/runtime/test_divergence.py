@@ -84,10 +84,46 @@ def _fresh_group(rank: int, world_size: int, timeout_s: Optional[float]) -> Grou
     return Group(pg, rank, world_size, timeout_s)
 
 
+def _evaluate_swapped(rank: int, group: Group, plan: ElixirPlan) -> dict[str, Any]:
+    """Forward-only steps; in step 1 rank 0 skips layer 2 and rank 1 skips layer 1: as many gathers of
+    chunks of one size on each rank, so every collective completes. The loop ends with the check the
+    strategy runs after an evaluation loop."""
+    torch.manual_seed(0)
+    model = Stack()
+    runtime = ElixirRuntime(model, plan, group=group)
+    outputs = []
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            outputs.append(model(x, (2 - rank) if step == 1 else None))
+    try:
+        collectives.agreed_max(torch.zeros(0), group)
+    except RankDivergenceError as err:
+        return {"error": str(err), "outputs": outputs}
+    return {"error": None, "outputs": outputs}
+
+
+def _signatures(rank: int, group: Group) -> dict[str, Any]:
+    """``agreed_max`` on equal and on different signatures (set by hand), then the values it returns."""
+    out = {}
+    group.note(0, 3)
+    out["equal"] = collectives.agreed_max(torch.tensor([float(rank), 1.0 - rank]), group)
+    group.note(1, 5 + rank)
+    try:
+        collectives.agreed_max(torch.zeros(1), group)
+        out["different"] = None
+    except RankDivergenceError as err:
+        out["different"] = str(err)
+    out["reset"] = collectives.agreed_max(torch.zeros(1), group)  # the failed check started afresh
+    return out
+
+
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     zero3 = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=CACHE_MIN)
     two_blocks = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=2)
     return {
+        "signatures": _signatures(rank, _fresh_group(rank, world_size, TIMEOUT_S)),
+        "evaluate_swapped": _evaluate_swapped(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "bounded": _train(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "unbounded": _train(rank, _fresh_group(rank, world_size, None), zero3),
         "late": _train(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3, late_rank1_s=TIMEOUT_S / 3, steps=3),
@@ -134,6 +170,25 @@ def test_a_rank_arriving_late_within_the_timeout_does_not_trip_it(results):
     for result in results:
         assert result["late"]["error"] is None
         assert result["late"]["losses"] == result["bounded"]["losses"][:3]
+
+
+def test_the_check_returns_the_maximum_when_ranks_agree_and_raises_on_every_rank_when_not(results):
+    for rank, result in enumerate(results):
+        outcome = result["signatures"]
+        assert outcome["equal"] == [1.0, 1.0]
+        assert outcome["different"] is not None and outcome["different"].startswith(f"rank {rank}: ")
+        assert "reduce-scatters for different chunks" in outcome["different"]
+        assert outcome["reset"] == [0.0]
+
+
+def test_evaluation_that_gathered_different_chunks_on_each_rank_is_an_error_not_silent(results):
+    """The swapped step completes (and computes with mixed chunks): the check after the loop says so."""
+    for rank, result in enumerate(results):
+        outcome = result["evaluate_swapped"]
+        assert outcome["error"] is not None, f"rank {rank} did not notice"
+        assert "all-gathers for different chunks" in outcome["error"]
+        assert "private_params" in outcome["error"] and "mixture-of-experts" in outcome["error"]
+        assert len(outcome["outputs"]) == 3
 
 
 # ---- the bounded wait, on work handles that stand in for a backend's -----------------------------
