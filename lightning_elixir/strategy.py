@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -121,6 +121,12 @@ def _refuse_unsupported_callbacks(trainer: Any) -> None:
                 "for FSDP and DeepSpeed too). Keep the average in a callback of your own that reads the weights "
                 "inside `with trainer.strategy.gathered_params():`, entered on every rank (README, 'Your model, "
                 "unchanged').")
+        if isinstance(cb, ModelPruning):
+            raise ValueError(
+                f"{name} does not work with the Elixir strategy: it ranks and masks the parameters at epoch ends, "
+                "outside the training step, where each rank holds only its shard. Prune in a callback of your own "
+                "(its on_train_epoch_end, say) with torch.nn.utils.prune inside `with "
+                "trainer.strategy.gathered_params():`, entered on every rank, or prune before fit.")
 
 
 class ElixirStrategy(ParallelStrategy):

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.utilities import grad_norm
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -964,6 +964,17 @@ class EMA(Callback):
                 self.ema[n].mul_(self.decay).add_(p, alpha=1 - self.decay)
 
 
+class Prune(Callback):
+    """L1 unstructured pruning of every Linear weight after the first epoch, with full weights."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 0:
+            with gathered(trainer):
+                for module in pl_module.modules():
+                    if isinstance(module, nn.Linear):
+                        torch.nn.utils.prune.l1_unstructured(module, "weight", amount=0.5)
+
+
 class WeightNormLogger(Callback):
     def __init__(self) -> None:
         self.history: list[dict[str, float]] = []
@@ -1745,6 +1756,10 @@ CASES: list[Case] = [
     Case("moe_skipping_unchosen_experts_per_rank", SkippingMoE, cls_data, run=fit_then_validate,
          ddp=dict(find_unused_parameters=True), ddp_check=_check_ranks_route_differently,
          private=tuple(f"experts.{e}.{i}.{k}" for e in range(4) for i in (0, 2) for k in ("weight", "bias"))),
+    Case("detect_anomaly", SequentialMLP, cls_data, trainer=dict(detect_anomaly=True)),
+    Case("pruning_in_gathered_params", SequentialMLP, cls_data, trainer=dict(max_epochs=2), run=fit_with(Prune)),
+    Case("gradient_accumulation_scheduler", SequentialMLP, cls_data, trainer=dict(max_epochs=2),
+         run=fit_with(lambda: GradientAccumulationScheduler({0: 1, 1: 2}))),
     Case("onecycle_cycling_betas", lambda: OneCycle("onecycle"), cls_data),
     Case("reduce_lr_on_plateau", lambda: OneCycle("plateau"), cls_data, ddp_check=_check_lrs_change),
     Case("layers_built_in_setup", BuiltInSetup, cls_data),
