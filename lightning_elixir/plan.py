@@ -7,6 +7,7 @@ round-tripped through JSON. This module imports no ``torch.distributed`` and mak
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import numbers
@@ -354,3 +355,38 @@ PRESETS: Mapping[str, ElixirPlan] = MappingProxyType({
     "zero3": ElixirPlan(cache_blocks="min+1", prefetch_depth=1, name="zero3"),
 })
 """Fixed plans for comparison runs, registered as the strategy names "elixir_zero2"/"elixir_zero3"."""
+
+
+PlanInput = Union[str, ElixirPlan, Mapping[str, Any], os.PathLike]
+"""What ``ElixirStrategy(plan=...)`` accepts."""
+
+
+def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
+    """"auto", an ElixirPlan, a dict, a preset name ("zero2"/"zero3"), a plan JSON file's path or JSON text.
+
+    A bare word that is none of these is reported as a mistyped name (with the valid ones), not as a
+    missing file."""
+    if isinstance(plan, ElixirPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return ElixirPlan.from_dict(dict(plan))
+    if plan == "auto":
+        return "auto"
+    if isinstance(plan, str) and plan in PRESETS:
+        return PRESETS[plan]
+    valid = ("auto", *PRESETS)
+    names = ", ".join(repr(n) for n in valid)
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if os.path.isfile(text) or text.lstrip().startswith(("{", "[")):
+            return ElixirPlan.from_json(plan)  # a plan file or JSON text: its own errors say what is wrong
+        if isinstance(plan, str) and not text.endswith(".json") and "/" not in text and os.sep not in text:
+            # a bare word: a mistyped name, not a missing file
+            word = text.strip().lower()
+            close = difflib.get_close_matches(word[7:] if word.startswith("elixir_") else word, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanError(f"plan={plan!r} is not a plan name (valid: {names}) nor an existing plan JSON file{hint}")
+        raise PlanError(f"plan file {text!r} does not exist; plan= takes a plan name ({names}), an ElixirPlan, "
+                        "a dict, JSON text or the path of a plan JSON file")
+    raise PlanError(f"plan must be {names}, an ElixirPlan, a dict, JSON text or a JSON file path, "
+                    f"got {type(plan).__name__} {plan!r}")

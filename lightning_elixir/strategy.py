@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import difflib
 import logging
 import os
 from collections.abc import Generator, Iterable, Mapping
@@ -39,7 +38,7 @@ from typing_extensions import override
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
-from lightning_elixir.plan import PRESETS, ElixirPlan, PlanError, check_private_params
+from lightning_elixir.plan import ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
@@ -55,40 +54,8 @@ from lightning_elixir.search.budget import check_memory_limit
 
 log = logging.getLogger(__name__)
 
-PlanInput = Union[str, ElixirPlan, Mapping[str, Any], os.PathLike]
 _SHARDED_LOADED = "_elixir_sharded_loaded"
 """Marks a checkpoint dict whose model and optimizer state ``load_checkpoint`` already loaded from shards."""
-
-
-def resolve_plan(plan: PlanInput) -> Union[str, ElixirPlan]:
-    """"auto", an ElixirPlan, a dict, a preset name ("zero2"/"zero3"), a plan JSON file's path or JSON text.
-
-    A bare word that is none of these is reported as a mistyped name (with the valid ones), not as a
-    missing file."""
-    if isinstance(plan, ElixirPlan):
-        return plan
-    if isinstance(plan, Mapping):
-        return ElixirPlan.from_dict(dict(plan))
-    if plan == "auto":
-        return "auto"
-    if isinstance(plan, str) and plan in PRESETS:
-        return PRESETS[plan]
-    valid = ("auto", *PRESETS)
-    names = ", ".join(repr(n) for n in valid)
-    if isinstance(plan, (str, os.PathLike)):
-        text = str(plan)
-        if os.path.isfile(text) or text.lstrip().startswith(("{", "[")):
-            return ElixirPlan.from_json(plan)  # a plan file or JSON text: its own errors say what is wrong
-        if isinstance(plan, str) and not text.endswith(".json") and "/" not in text and os.sep not in text:
-            # a bare word: a mistyped name, not a missing file
-            word = text.strip().lower()
-            close = difflib.get_close_matches(word[7:] if word.startswith("elixir_") else word, valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise PlanError(f"plan={plan!r} is not a plan name (valid: {names}) nor an existing plan JSON file{hint}")
-        raise PlanError(f"plan file {text!r} does not exist; plan= takes a plan name ({names}), an ElixirPlan, "
-                        "a dict, JSON text or the path of a plan JSON file")
-    raise PlanError(f"plan must be {names}, an ElixirPlan, a dict, JSON text or a JSON file path, "
-                    f"got {type(plan).__name__} {plan!r}")
 
 
 def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:

@@ -14,13 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
-from lightning_elixir.plan import ChunkSpec, check_private_params
+from lightning_elixir.plan import ChunkSpec, check_private_params, resolve_plan
 from lightning_elixir.profile.types import ProfileError
 from lightning_elixir.runtime.cache import CacheTooSmallError
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit, parse_memory_limit
-from lightning_elixir.strategy import resolve_plan
 from tests.search.profiles import hardware
 
 # ---- 1. configure_optimizers returning None ---------------------------------------------------
