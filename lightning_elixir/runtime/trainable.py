@@ -29,6 +29,7 @@ exchange is one small all-reduce per optimizer step, which also compares what th
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +53,8 @@ class Trainable:
         self._initially = self.flags
         self._hooked: set[int] = set()
         self._warned = False
+        self.hyperparameters_differ = False
+        """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
         self.hook_new()
 
     def _flags(self) -> list[bool]:
@@ -92,12 +95,33 @@ class Trainable:
 
 
 def settle_unused(runtime: "ElixirRuntime", optimizer: Any) -> None:
-    """Set to None the gradients of ``optimizer``'s shard views whose parameter no rank used."""
+    """Set to None the gradients of ``optimizer``'s shard views whose parameter no rank used.
+
+    The same all-reduce compares what the ranks gathered ([Note: silent divergence] in
+    collectives.py) and the optimizer's hyperparameters: an LR scheduler stepped on a metric each
+    rank computed alone (ReduceLROnPlateau on an unsynced loss) gives each rank its own lr, and each
+    rank would update its shard with it. Under DDP the replicas drift apart instead; neither is
+    what the user meant, so a warning says so, once."""
     stepped = {id(q) for group in optimizer.param_groups for q in group["params"]}
     pairs = [(pid, view) for pid, view in runtime.shard_views().items() if view.requires_grad and id(view) in stepped]
     seen = runtime.reductions.seen
-    local = torch.tensor([float(pid in seen) for pid, _ in pairs], dtype=torch.float32, device=runtime.device)
-    used = collectives.agreed_max(local, runtime.group)  # also: did every rank gather the same chunks?
+    hyper = _hyperparameter_print(optimizer)
+    local = torch.tensor([float(pid in seen) for pid, _ in pairs] + [hyper, -hyper], dtype=torch.float32,
+                         device=runtime.device)
+    *used, high, neg_low = collectives.agreed_max(local, runtime.group)
+    if high != -neg_low and not runtime.trainable.hyperparameters_differ:
+        runtime.trainable.hyperparameters_differ = True
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        log.warning("rank %d: the optimizer's hyperparameters differ between ranks (here: %s), so each rank updates "
+                    "its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) needs one "
+                    "every rank agrees on: log it with self.log(..., sync_dist=True).", runtime.group.rank, groups)
     for (_, view), anywhere in zip(pairs, used):
         if not anywhere:
             view.grad = None
+
+
+def _hyperparameter_print(optimizer: Any) -> float:
+    """A fingerprint of the param groups' scalar hyperparameters (lr, betas, ...), exact in float32."""
+    scalars = [sorted((k, v) for k, v in group.items() if isinstance(v, (bool, int, float, tuple)))
+               for group in optimizer.param_groups]
+    return float(zlib.crc32(repr(scalars).encode()) % 16_777_213)

@@ -118,11 +118,24 @@ def _signatures(rank: int, group: Group) -> dict[str, Any]:
     return out
 
 
+def _lrs_differ(rank: int, group: Group, plan: ElixirPlan, lr_by_rank: tuple[float, float]) -> bool:
+    """One step with this rank's lr; whether the runtime noticed the ranks' hyperparameters differ."""
+    torch.manual_seed(0)
+    model = Stack()
+    runtime = ElixirRuntime(model, plan, group=group)
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=lr_by_rank[rank], momentum=0.9))
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    optimizer_step(runtime, opt)
+    return runtime.trainable.hyperparameters_differ
+
+
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     zero3 = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=CACHE_MIN)
     two_blocks = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=2)
     return {
         "signatures": _signatures(rank, _fresh_group(rank, world_size, TIMEOUT_S)),
+        "lrs_differ": _lrs_differ(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3, (0.1, 0.05)),
+        "lrs_agree": _lrs_differ(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3, (0.1, 0.1)),
         "evaluate_swapped": _evaluate_swapped(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "bounded": _train(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "unbounded": _train(rank, _fresh_group(rank, world_size, None), zero3),
@@ -179,6 +192,12 @@ def test_the_check_returns_the_maximum_when_ranks_agree_and_raises_on_every_rank
         assert outcome["different"] is not None and outcome["different"].startswith(f"rank {rank}: ")
         assert "reduce-scatters for different chunks" in outcome["different"]
         assert outcome["reset"] == [0.0]
+
+
+def test_hyperparameters_that_differ_between_ranks_are_noticed(results):
+    """A warning, not an error: DDP trains on (its replicas drift apart)."""
+    assert [r["lrs_differ"] for r in results] == [True, True]
+    assert [r["lrs_agree"] for r in results] == [False, False]
 
 
 def test_evaluation_that_gathered_different_chunks_on_each_rank_is_an_error_not_silent(results):
