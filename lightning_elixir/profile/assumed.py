@@ -58,6 +58,8 @@ class AssumedValues(TorchDispatchMode):
 
     ``.numpy()``, ``.tolist()`` and ``format`` of fake tensors give the same assumed values (see
     ``host_conversions``). An operator not listed here still raises, and the caller falls back.
+    Operators whose meta kernel refuses inputs the real kernel takes (``_grouped_mm`` on fp32, as
+    Hugging Face's mixture-of-experts layers call it on a CPU) get their shapes another way.
 
     ``opposite=True`` answers the other way where an answer chooses a path: masks select nothing
     and unknown booleans read True. The profile traces a step that way too when the first trace
@@ -80,6 +82,9 @@ class AssumedValues(TorchDispatchMode):
             for t in tree_leaves((args, kwargs)):  # written in place: what was known may no longer hold
                 if isinstance(t, torch.Tensor):
                     self.known.pop(t, None)
+        narrow = _NARROW_META.get(func)
+        if narrow is not None:  # before FakeTensorMode tries its meta kernel (and logs the failure)
+            return narrow(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
@@ -257,6 +262,22 @@ _BOUNDS: dict[Any, Callable[..., Any]] = {
     aten.bincount: _bound_bincount,
     aten.repeat_interleave: _bound_repeat_interleave,
 }
+
+def _grouped_mm_in_bf16(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``_grouped_mm`` on fp32 or fp16: torch's meta kernel accepts bf16 only, its CPU kernel any float
+    (Hugging Face's mixture-of-experts layers call it on fp32 there). The shapes do not depend on the
+    dtype, so the meta kernel runs on bf16 stand-ins and the result takes the dtype the kernel gives."""
+    out_dtype = kwargs.get("out_dtype") or args[0].dtype
+    cast = [t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
+    rest = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in kwargs.items() if k != "out_dtype"}
+    return func(*cast, **rest).to(out_dtype)
+
+
+_NARROW_META: dict[Any, Callable[..., Any]] = {
+    aten._grouped_mm.default: _grouped_mm_in_bf16,
+}
+"""Operators whose meta kernel refuses inputs the real kernel takes: answered another way."""
 
 _NEVER = {aten.isnan, aten.isinf, aten.isposinf, aten.isneginf}  # finite data: these are all False
 _ALWAYS = {aten.isfinite}

@@ -1005,6 +1005,12 @@ class HFModel(TokenLM):
                                     num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
                                     bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_dropout=p)
             cls = tr.LlamaForCausalLM
+        elif kind == "mixtral":  # 4 experts, top-2: each rank's tokens pick experts of their own
+            config = tr.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
+                                      num_local_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0, router_aux_loss_coef=0.0)
+            cls = tr.MixtralForCausalLM
         else:
             config = tr.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                    intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
@@ -1025,7 +1031,7 @@ class HFModel(TokenLM):
         return self.model(input_ids=x, labels=x).loss
 
     def configure_optimizers(self) -> Any:
-        if self.kind == "llama":  # no biases anywhere: AdamW as users train it
+        if self.kind in ("llama", "mixtral"):  # no biases anywhere: AdamW as users train it
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         # GPT-2/BERT attention has a key bias whose true gradient is exactly zero; Adam would turn its
         # rounding noise into lr-sized steps, so SGD keeps the comparison about real differences.
@@ -1708,6 +1714,7 @@ CASES: list[Case] = [
     Case("hf_gpt2_dropout", _hf("gpt2", dropout=True), token_data, requires="transformers"),
     Case("hf_llama", _hf("llama"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
     Case("hf_bert_mlm", _hf("bert"), token_data, requires="transformers"),
+    Case("hf_mixtral_moe", _hf("mixtral"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
     # bf16-mixed
     Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
     Case("bf16_mlp", SequentialMLP, cls_data, trainer=dict(precision="bf16-mixed"), tol=BF16),

@@ -406,3 +406,26 @@ def test_modules_whose_calls_depend_on_values_get_private_chunks(test):
 @pytest.mark.parametrize("module_class", [ReadsItem, SkipsNonFinite, ReadsList, MasksBatch])
 def test_value_reads_that_change_no_module_call_find_no_conditional_modules(module_class):
     assert profile_model(module_class(), _batch()).conditional_params == ()
+
+
+class GroupedExperts(Classifier):
+    """Experts as one 3-D parameter multiplied with torch's grouped matmul, in fp32 (Hugging Face's
+    mixture-of-experts layers on a CPU): torch's meta kernel of the operator accepts bf16 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, 16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        offs = torch.tensor([h.shape[0] // 2, h.shape[0]], dtype=torch.int32)
+        return self.head(torch.nn.functional.grouped_mm(h, self.experts, offs=offs))
+
+
+def test_grouped_matmul_in_fp32_profiles():
+    module = GroupedExperts()
+    x, y = _batch()
+    F.cross_entropy(module(x), y).backward()  # the real kernel runs fp32 on this machine
+    module.zero_grad()
+    profile = _check(module)
+    assert any("experts" in a.params for a in profile.accesses if a.phase == "backward")
