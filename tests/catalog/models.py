@@ -990,6 +990,27 @@ class WeightNormLogger(Callback):
 # Hugging Face transformers, built from tiny configs (no downloads)
 
 
+_MORE_HF: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "t5": lambda tr: (tr.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                  decoder_start_token_id=0, dropout_rate=0.0), tr.T5ForConditionalGeneration),
+    "deepseek_v3": lambda tr: (tr.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=32), tr.DeepseekV3ForCausalLM),
+    "gpt_oss": lambda tr: (tr.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=8), tr.GptOssForCausalLM),
+    "falcon": lambda tr: (tr.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          hidden_dropout=0.0, attention_dropout=0.0), tr.FalconForCausalLM),
+    "gemma": lambda tr: (tr.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=32), tr.GemmaForCausalLM),
+}
+"""More Hugging Face families, tiny: encoder-decoder, latent attention with routed experts, sinks."""
+
+
 class HFModel(TokenLM):
     def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False) -> None:
         super().__init__()
@@ -1011,6 +1032,8 @@ class HFModel(TokenLM):
                                       num_local_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0, router_aux_loss_coef=0.0)
             cls = tr.MixtralForCausalLM
+        elif kind in _MORE_HF:
+            config, cls = _MORE_HF[kind](tr)
         else:
             config = tr.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                    intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
@@ -1031,7 +1054,7 @@ class HFModel(TokenLM):
         return self.model(input_ids=x, labels=x).loss
 
     def configure_optimizers(self) -> Any:
-        if self.kind in ("llama", "mixtral"):  # no biases anywhere: AdamW as users train it
+        if self.kind in ("llama", "mixtral", "deepseek_v3", "gemma"):  # no biases anywhere: AdamW as users train it
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         # GPT-2/BERT attention has a key bias whose true gradient is exactly zero; Adam would turn its
         # rounding noise into lr-sized steps, so SGD keeps the comparison about real differences.
@@ -1715,6 +1738,7 @@ CASES: list[Case] = [
     Case("hf_llama", _hf("llama"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
     Case("hf_bert_mlm", _hf("bert"), token_data, requires="transformers"),
     Case("hf_mixtral_moe", _hf("mixtral"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
+    *(Case(f"hf_{kind}", _hf(kind), token_data, requires="transformers", tol=ADAM_NEAR_ZERO) for kind in _MORE_HF),
     # bf16-mixed
     Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
     Case("bf16_mlp", SequentialMLP, cls_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
