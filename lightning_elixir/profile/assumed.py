@@ -249,7 +249,21 @@ def _bound_repeat_interleave(values: AssumedValues, _func: Any, args: tuple, _kw
     return torch.empty((repeats.numel() * max(int(values.value(repeats)), 0),), dtype=torch.long, device=repeats.device)
 
 
+def _bound_pack_padded(values: AssumedValues, _func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``pack_padded_sequence``: every sequence full length (one step each when ``opposite``); the
+    batch sizes as a real CPU tensor, as the real operator returns them."""
+    x = args[0]
+    batch_first = kwargs.get("batch_first", args[2] if len(args) > 2 else False)
+    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    steps = 1 if values.opposite else steps
+    values.assumed = True
+    with no_dispatch():  # real: the packed RNN kernels read the batch sizes on the host
+        batch_sizes = torch.full((steps,), batch, dtype=torch.long)
+    return torch.empty((steps * batch, *x.shape[2:]), dtype=x.dtype, device=x.device), batch_sizes
+
+
 _BOUNDS: dict[Any, Callable[..., Any]] = {
+    aten._pack_padded_sequence: _bound_pack_padded,
     aten.nonzero: _bound_nonzero,
     aten.index: _bound_index,
     aten.index_put: _bound_index,

@@ -1540,6 +1540,131 @@ def _check_ranks_route_differently(results: list[dict]) -> None:
     assert any(a != b for a, b in zip(*routes)), routes
 
 
+class InplaceResNet(Classifier):
+    """Residual blocks with in-place activations and adds (torchvision's ResNet style): in-place ops
+    on the outputs of modules that hold parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            out = block(h)
+            out += h
+            h = F.relu_(out)
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class _ReverseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -0.5 * grad
+
+
+class DomainAdversarial(Classifier):
+    """A custom autograd.Function (gradient reversal, DANN) between a feature net and a domain head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = mlp(8, 16, 16)
+        self.label = nn.Linear(16, 4)
+        self.domain = mlp(16, 8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.label(torch.relu(self.features(x)))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        h = torch.relu(self.features(x))
+        domain = (x[:, 0] > 0).long()
+        return F.cross_entropy(self.label(h), y) + F.cross_entropy(self.domain(_ReverseGrad.apply(h)), domain)
+
+
+class Contrastive(Classifier):
+    """SimCLR-style: embeddings gathered from every rank with gradients (self.all_gather(sync_grads=True))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        a = F.normalize(self.net(x), dim=-1)
+        b = F.normalize(self.net(x + 0.1 * torch.sin(x)), dim=-1)
+        everyone = self.all_gather(b, sync_grads=True).reshape(-1, b.shape[-1])
+        logits = a @ everyone.t() / 0.5
+        target = torch.arange(a.shape[0]) + self.global_rank * a.shape[0]
+        loss = F.cross_entropy(logits, target)
+        self.log("train_loss", loss)
+        return loss
+
+
+class PackedLSTM(Classifier):
+    """Variable-length sequences through pack_padded_sequence (lengths from the data, on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = (x.abs().sum(-1) > 0).sum(-1).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.rnn(packed)
+        return self.head(h[-1])
+
+
+def _padded_seq_data() -> dict[str, DataLoader]:
+    def padded(seed: int) -> TensorDataset:
+        x, y = seq_set(seed=seed).tensors
+        keep = torch.arange(x.shape[1]) < torch.randint(1, x.shape[1] + 1, (x.shape[0], 1), generator=_g(seed + 7))
+        return TensorDataset(x * keep.unsqueeze(-1), y)
+
+    return dict(train=loader(padded(0)), val=loader(padded(1)))
+
+
+class SequentialCheckpointed(Classifier):
+    """torch.utils.checkpoint.checkpoint_sequential over a deep Sequential (two segments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                                 nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.net(x)
+        return torch.utils.checkpoint.checkpoint_sequential(self.net, 2, x.requires_grad_(), use_reentrant=False)
+
+
+class Reloadable(Classifier):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = mlp(8, width, 4)
+
+
+def fit_then_load_from_checkpoint(ctx: Any) -> None:
+    """ModelCheckpoint(save_last=True) during fit; then, on every rank, the class's load_from_checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=str(ctx.root / "ckpt"), save_last=True)
+    ctx.trainer(callbacks=[checkpoint], enable_checkpointing=True).fit(ctx.model, ctx.data["train"])
+    loaded = type(ctx.model).load_from_checkpoint(checkpoint.last_model_path)
+    ctx.extras["loaded"] = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+    ctx.extras["width"] = loaded.hparams.width
+
+
 def _multi_val_data() -> dict[str, Any]:
     return dict(train=loader(cls_set(seed=0)), val=[loader(cls_set(seed=1)), loader(cls_set(seed=2))])
 
@@ -1791,6 +1916,12 @@ CASES: list[Case] = [
     Case("pruning_in_gathered_params", SequentialMLP, cls_data, trainer=dict(max_epochs=2), run=fit_with(Prune)),
     Case("gradient_accumulation_scheduler", SequentialMLP, cls_data, trainer=dict(max_epochs=2),
          run=fit_with(lambda: GradientAccumulationScheduler({0: 1, 1: 2}))),
+    Case("inplace_residual_cnn", InplaceResNet, image_data, run=fit_then_validate),
+    Case("custom_autograd_function_gradient_reversal", DomainAdversarial, cls_data),
+    Case("contrastive_all_gather_sync_grads", Contrastive, cls_data),
+    Case("packed_variable_length_lstm", PackedLSTM, _padded_seq_data, run=fit_then_validate),
+    Case("checkpoint_sequential", SequentialCheckpointed, cls_data),
+    Case("load_from_checkpoint_after_fit", Reloadable, cls_data, run=fit_then_load_from_checkpoint),
     Case("onecycle_cycling_betas", lambda: OneCycle("onecycle"), cls_data),
     Case("reduce_lr_on_plateau", lambda: OneCycle("plateau"), cls_data, ddp_check=_check_lrs_change),
     Case("layers_built_in_setup", BuiltInSetup, cls_data),

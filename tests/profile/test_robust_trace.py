@@ -429,3 +429,24 @@ def test_grouped_matmul_in_fp32_profiles():
     module.zero_grad()
     profile = _check(module)
     assert any("experts" in a.params for a in profile.accesses if a.phase == "backward")
+
+
+class Packed(Classifier):
+    """Padded sequences packed with their lengths (read from the data) before an LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.unsqueeze(1).expand(-1, 5, -1)
+        lengths = (seq.abs().sum(-1) > 0).sum(-1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(seq, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.rnn(packed)
+        return self.head(h[-1])
+
+
+def test_packed_sequences_profile_at_full_length():
+    profile = _check(Packed())
+    assert profile.conditional_params == ()
+    assert any("rnn.weight_ih_l0" in a.params for a in profile.accesses if a.phase == "backward")
