@@ -74,6 +74,15 @@ def new_storages(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> lis
     return fresh
 
 
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``t``'s data: its own, or a sparse COO tensor's values and indices."""
+    if _has_storage(t):
+        return [t.untyped_storage()]
+    if t.layout == torch.sparse_coo:
+        return [part.untyped_storage() for part in (t._values(), t._indices())]
+    return []
+
+
 def _has_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is backed by a storage we can key (sparse and nested tensors are not)."""
     return t.layout == torch.strided and not t.is_nested

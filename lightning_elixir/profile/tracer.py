@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_elixir.profile.cost import OpCost, op_cost
-from lightning_elixir.profile.memory import LiveStorages, new_storages, storage_keys, tensors_in
+from lightning_elixir.profile.memory import LiveStorages, new_storages, storage_keys, storages_of, tensors_in
 from lightning_elixir.profile.params import ParamTable
 from lightning_elixir.profile.types import Access, HardwareProfile
 
@@ -241,7 +241,8 @@ class StepTracer:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """A gradient landed in ``param.grad``: it is no longer activation memory."""
-        self.live.release(param.grad.untyped_storage())
+        for storage in storages_of(param.grad):  # a sparse gradient (nn.Embedding(sparse=True)): its parts
+            self.live.release(storage)
 
     def _forward_phase(self) -> str:
         """"recompute" for a forward running inside backward (checkpointing), else "forward"."""

@@ -450,3 +450,19 @@ def test_packed_sequences_profile_at_full_length():
     profile = _check(Packed())
     assert profile.conditional_params == ()
     assert any("rnn.weight_ih_l0" in a.params for a in profile.accesses if a.phase == "backward")
+
+
+class SparseEmbedding(Classifier):
+    """nn.Embedding(sparse=True): its gradient is a sparse tensor, with no storage of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(32, 8, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.table((x.abs() * 10).long() % 32).mean(1))
+
+
+def test_sparse_gradients_profile():
+    profile = _check(SparseEmbedding())
+    assert any("table.weight" in a.params for a in profile.accesses if a.phase == "backward")
