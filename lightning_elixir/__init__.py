@@ -11,8 +11,8 @@ from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.runtime.optim import elementwise_optimizer
 from lightning_elixir.strategy import ElixirStrategy
 
-__all__ = ["ChunkSpec", "ElixirMonitor", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError", "PlanError",
-           "elementwise_optimizer"]
+__all__ = ["ChunkSpec", "ElixirMonitor", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError",
+           "PlanError", "elementwise_optimizer"]
 __version__ = "0.1.0"
 
 

@@ -108,8 +108,8 @@ class Group:
     """How many collectives this group has issued (one cell, shared by copies of the group): the
     tag of a point-to-point exchange ([Note: reduce-scatter on gloo])."""
     signature: list[int] = field(default_factory=lambda: [0, 0], compare=False, repr=False)
-    """Fingerprints of the chunks gathered and reduced since the last ``check_agreement`` ([Note:
-    silent divergence]); shared by copies of the group, like ``issued``."""
+    """Fingerprints of the chunks gathered and reduced since the last ``agreed_max`` ([Note: silent
+    divergence]); shared by copies of the group, like ``issued``."""
 
     def next_tag(self) -> int:
         """Count one more collective; the tag its point-to-point messages carry."""
@@ -208,8 +208,8 @@ def _message(pending: Pending, waited_s: float, err: Optional[BaseException]) ->
             "another skipped it), or code reads parameters on some ranks only. Give the parameters of a module that "
             "runs on some ranks only private chunks (ElixirStrategy(private_params=[...])), which stay gathered "
             "through the step, or make that control flow agree across ranks (decide branches from values every "
-            "rank shares, or run every module on every rank and mask its output). If a collective is legitimately slower (a rank delayed by work the others do not do), raise "
-            f"collective_timeout_s (now {limit}).")
+            "rank shares, or run every module on every rank and mask its output). If a collective is legitimately "
+            f"slower (a rank delayed by work the others do not do), raise collective_timeout_s (now {limit}).")
 
 
 def _describe(kind: str, tensor: torch.Tensor, chunk: Optional[int]) -> str:
