@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elixir import ElixirStrategy
@@ -88,15 +87,13 @@ class WithDropout(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-class PacksSequences(WithDropout):
-    """A step whose operator (``pack_padded_sequence``) has a shape fake tensors cannot bound."""
+class UnboundedShape(WithDropout):
+    """A step whose operator (the legacy ``aten._unique``) has a shape fake tensors cannot bound."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-        packed = pack_padded_sequence(x[:, :, None], lengths, batch_first=True)
-        x = pad_packed_sequence(packed, batch_first=True)[0][:, :, 0]
-        return F.mse_loss(self.net(x), y)
+        signs, _ = torch.ops.aten._unique(torch.sign(x))
+        return F.mse_loss(self.net(x), y) * (signs.numel() > 0)
 
 
 class Losses(Callback):
@@ -163,19 +160,19 @@ def test_fit_with_dropout_sees_the_same_random_stream_as_without_planning():
 def test_an_untraceable_step_falls_back_with_one_warning_and_trains():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses, trainer = _fit_losses(PacksSequences)
+        losses, trainer = _fit_losses(UnboundedShape)
     planning_warnings = [w for w in caught if "plan='auto'" in str(w.message)]
     assert len(planning_warnings) == 1, [str(w.message) for w in planning_warnings]
     message = str(planning_warnings[0].message)
-    assert "training_step" in message and "_pack_padded_sequence" in message and "zero3" in message
+    assert "training_step" in message and "aten._unique" in message and "zero3" in message
     planning = trainer.strategy.planning
     assert planning.plan == FALLBACK_PLAN and planning.report is None and planning.model_profile is None
-    assert "_pack_padded_sequence" in planning.fallback_reason
+    assert "aten._unique" in planning.fallback_reason
     assert trainer.global_step == 6 and len(losses) == 6
 
 
 def test_the_fallback_does_not_hide_errors_of_the_real_run():
-    class Broken(PacksSequences):
+    class Broken(UnboundedShape):
         def training_step(self, batch, batch_idx):
             if not isinstance(batch[0], FakeTensor):
                 raise RuntimeError("a real bug")
