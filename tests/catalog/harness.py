@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
 WORLD_SIZE = 2
-STRATEGIES = ("ddp", "elixir", "zero3-1pp")
+STRATEGIES = ("ddp", "elixir", "zero3-1pp", "zero3-shared")
 PG_TIMEOUT_S = 60
 CASE_TIMEOUT_S = float(os.environ.get("CATALOG_CASE_TIMEOUT", 180))
 """The parent kills a pair that finished no case for this long (a hang the process group timeout missed)."""
@@ -52,25 +52,42 @@ BASE_TRAINER: dict[str, Any] = dict(
 # strategies
 
 
-def one_param_per_chunk_plan(case: Any) -> Any:
-    """"zero3-1pp": one chunk per parameter (private where a parameter is held by several modules), ZeRO-3 cache."""
+def _complete_module(case: Any) -> Any:
+    """The case's module with the layers it builds in setup or configure_model (meta init): shapes only."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_elixir import ChunkSpec, ElixirPlan
-    from lightning_elixir.plan import round_up
-    from lightning_elixir.runtime.layout import shared_param_names
-
     model = case.module()
-    with torch.device("meta"):  # layers built in setup or configure_model (meta init): a shape-only copy
+    with torch.device("meta"):
         if is_overridden("setup", model):
             model.setup("fit")
         if is_overridden("configure_model", model):
             model.configure_model()
+    return model
+
+
+def one_param_per_chunk_plan(case: Any) -> Any:
+    """"zero3-1pp": one chunk per parameter (private where a parameter is held by several modules), ZeRO-3 cache."""
+    from lightning_elixir import ChunkSpec, ElixirPlan
+    from lightning_elixir.plan import round_up
+    from lightning_elixir.runtime.layout import shared_param_names
+
+    model = _complete_module(case)
     shared = shared_param_names(model)
     private = set(shared) | set(case.private)
     chunks = tuple(ChunkSpec((name,), numel=max(round_up(p.numel(), WORLD_SIZE), WORLD_SIZE), private=name in private)
                    for name, p in model.named_parameters())
     return ElixirPlan(chunks=chunks, world_size=WORLD_SIZE, cache_blocks="min", name="zero3-1pp")
+
+
+def shared_chunks_plan(case: Any) -> Any:
+    """"zero3-shared": the default packing into small chunks that several modules share (1088 elements,
+    or the largest parameter), the fewest cache blocks, prefetch 2; explicit-plan private parameters."""
+    from lightning_elixir import ElixirPlan
+    from lightning_elixir.plan import round_up
+
+    largest = max((p.numel() for p in _complete_module(case).parameters()), default=1)
+    return ElixirPlan(chunk_numel=max(1088, round_up(largest, WORLD_SIZE)), cache_blocks="min", prefetch_depth=2,
+                      name="zero3-shared")
 
 
 def make_strategy(name: str, case: Any, plan: Any) -> Any:
@@ -84,6 +101,8 @@ def make_strategy(name: str, case: Any, plan: Any) -> Any:
         return ElixirStrategy(plan="auto")
     if name == "zero3-1pp":
         return ElixirStrategy(plan=plan)
+    if name == "zero3-shared":
+        return ElixirStrategy(plan=plan, private_params=case.private)
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -158,7 +177,8 @@ def _run_case(case: Any, strategy: str, rank: int, root: Path, agree: Any) -> tu
     start = time.perf_counter()
     ctx: Optional[Ctx] = None
     try:
-        plan = one_param_per_chunk_plan(case) if strategy == "zero3-1pp" else None
+        plan = {"zero3-1pp": one_param_per_chunk_plan, "zero3-shared": shared_chunks_plan}.get(strategy)
+        plan = plan(case) if plan is not None else None
         L.seed_everything(case.seed, verbose=False)
         model = case.module()
         ctx = Ctx(case, strategy, rank, root, plan)
