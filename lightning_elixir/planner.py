@@ -309,8 +309,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
 
 def with_private_params(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:
     """The profile with the user's private parameters listed as shared: the search gives them private chunks."""
-    extra = tuple(n for n in private_params if n not in profile.shared_params)
-    return dataclasses.replace(profile, shared_params=profile.shared_params + extra) if extra else profile
+    return profile.with_private(private_params)
 
 
 def _first_failure(reason: Optional[str], group: Group) -> Optional[str]:

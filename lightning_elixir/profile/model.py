@@ -175,8 +175,7 @@ def _with_conditional(profile: ModelProfile, table: ParamTable, modules: list[st
         return profile
     log.info("modules whose calls depend on tensor values (%s) get private chunks: every rank gathers them "
              "for the whole step, so ranks may skip them", ", ".join(modules))
-    extra = tuple(n for n in names if n not in profile.shared_params)
-    return dataclasses.replace(profile, shared_params=profile.shared_params + extra, conditional_params=names)
+    return dataclasses.replace(profile.with_private(names), conditional_params=names)
 
 
 def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, settings: _Settings,

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,11 @@ class ModelProfile:
         unknown = {n for a in self.accesses for n in a.params} - names
         if unknown:
             raise ProfileError(f"accesses name unknown parameters: {sorted(unknown)[:5]}")
+
+    def with_private(self, names: Iterable[str]) -> "ModelProfile":
+        """This profile with ``names`` also listed as shared: the search gives them private chunks."""
+        extra = tuple(n for n in dict.fromkeys(names) if n not in self.shared_params)
+        return dataclasses.replace(self, shared_params=self.shared_params + extra) if extra else self
 
     @property
     def total_numel(self) -> int:

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -385,6 +386,12 @@ def agreed_max(values: torch.Tensor, group: Group) -> list[float]:
         if high != -neg_low:
             raise RankDivergenceError(_diverged_message(group, ("all-gathers", "reduce-scatters")[kind]))
     return out[:n]
+
+
+def fingerprint(value: Any) -> float:
+    """``repr(value)`` hashed into the integers float32 holds exactly, as the signatures are: a value to
+    compare across ranks in ``agreed_max`` (its own and its negation, so the maximum gives both ends)."""
+    return float(zlib.crc32(repr(value).encode()) % _SIGNATURE_MOD)
 
 
 def _diverged_message(group: Group, what: str) -> str:

@@ -29,7 +29,6 @@ exchange is one small all-reduce per optimizer step, which also compares what th
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,7 +120,6 @@ def settle_unused(runtime: "ElixirRuntime", optimizer: Any) -> None:
 
 
 def _hyperparameter_print(optimizer: Any) -> float:
-    """A fingerprint of the param groups' scalar hyperparameters (lr, betas, ...), exact in float32."""
-    scalars = [sorted((k, v) for k, v in group.items() if isinstance(v, (bool, int, float, tuple)))
-               for group in optimizer.param_groups]
-    return float(zlib.crc32(repr(scalars).encode()) % 16_777_213)
+    """A fingerprint of the param groups' scalar hyperparameters (lr, betas, ...)."""
+    return collectives.fingerprint([sorted((k, v) for k, v in group.items() if isinstance(v, (bool, int, float, tuple)))
+                                    for group in optimizer.param_groups])
