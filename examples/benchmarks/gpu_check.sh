@@ -1,33 +1,64 @@
 #!/usr/bin/env bash
-# The one prepared GPU run, about 8 minutes on one H200 (at most 9.5: the time limits); it builds and installs nothing.
-#   1. the GPU tests (tests/test_gpu.py);
-#   2. the harness on one GPU: the GPT at GPT-2 medium size, bf16-mixed, one round of 5 timed steps.
-#      At an emulated budget of 80 GB (everything fits): DDP, Elixir's auto plan and FSDP2.
-#      At 16 GB, where the model's states and activations do not all fit: the auto plan, Elixir's
-#      all-on-host plan, FSDP2 with CPU offload, DeepSpeed ZeRO-3 offload ("not installable" without
-#      deepspeed) and DDP (expected to run out of memory; the row says so);
-#   3. the offload benchmark's GPU table.
-# Everything goes under $OUT (default gpu_results/): the machine, the test log, the harness's tables
-# (.md), JSON and plots, the offload table. Each part has its own time limit, so a hang in one still
-# leaves the others' results.
-# Usage (CUDA, the project installed): bash examples/benchmarks/gpu_check.sh
+# The prepared GPU run on one H200; it builds and installs nothing from source. Four parts, each with its
+# own time limit (a hang in one still leaves the others' results), about 8 minutes together:
+#   tests    the GPU tests (tests/test_gpu.py);
+#   fits     the harness with the GPT at GPT-2 medium size, bf16-mixed, one round of 5 timed steps, at an
+#            emulated budget of 80 GB where everything fits: DDP, Elixir's auto plan, FSDP2, Lightning's
+#            FSDP and DeepSpeed ZeRO-2 and ZeRO-3;
+#   offload  the same at 16 GB, where the model's states and activations do not all fit (the planner
+#            predicts 18.5 GiB for the all-device plan): the auto plan, Elixir's all-on-host plan, FSDP2
+#            with CPU offload, DeepSpeed ZeRO-3 offload, and DDP (expected to run out of memory);
+#   table    the offload benchmark's GPU table.
+# Usage (CUDA; the project importable from the repository root):
+#   bash examples/benchmarks/gpu_check.sh                 # every part
+#   bash examples/benchmarks/gpu_check.sh tests fits      # some parts, in the order given
+# Wheels in .whl/ (DeepSpeed and what it needs, where the machine lacks them) are installed into
+# /tmp/site first; DeepSpeed's host Adam is compiled in the background while the first parts run.
+# Results: gpu_results/ (the machine, the test log, the harness's tables (.md), logs, JSON and plots, the
+# offload table); where $OUT is set, all of them also as one $OUT/gpu_check.tar, refreshed after each part.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-gpu_results}"
+out=gpu_results
 mkdir -p "$out"
-export PYTHONPATH=.
+py=$(command -v python3 || command -v python)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+pack() { if [ -n "${OUT:-}" ]; then tar -cf "$OUT/gpu_check.tar" "$out"; fi; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 {
+  date -u
   nvidia-smi
-  python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
-  python -c "import deepspeed; print('deepspeed', deepspeed.__version__)" || echo "deepspeed: not installable"
+  lscpu | grep -E "Model name|^CPU\(s\)"
+  free -g | head -2
+  "$py" -c "import sys, torch, lightning; print('python', sys.version.split()[0], 'torch', torch.__version__, 'lightning', lightning.__version__)"
+  "$py" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 } > "$out/machine.txt" 2>&1
-timeout 120 python -m pytest tests/test_gpu.py -q 2>&1 | tee "$out/gpu_tests.txt"
+cat "$out/machine.txt"
+( timeout 240 "$py" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam built')" \
+  > "$out/deepspeed_build.txt" 2>&1 ) &
+build=$!
+pack
+
 harness() {  # name, seconds, budget, systems; the .log has each run's step time as it finishes
-  timeout "$2" python examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
-    --budgets "$3" --systems "$4" --rounds 1 --warmup 2 --steps 5 --run-timeout 75 \
+  timeout "$2" "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
+    --budgets "$3" --systems "$4" --rounds 1 --warmup 2 --steps 5 --run-timeout 90 \
     --json "$out/harness_$1.json" --png "$out/harness_$1.png" > "$out/harness_$1.md" 2> "$out/harness_$1.log"
-  cat "$out/harness_$1.md"
+  cat "$out/harness_$1.log" "$out/harness_$1.md"
 }
-harness fits 150 80GB ddp,elixir,fsdp2
-harness offload 210 16GB elixir,elixir_offload,fsdp2_offload,deepspeed_zero3_offload,ddp
-timeout 90 python examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt"
+for part in ${*:-tests fits table offload}; do
+  echo "=== $part $(date -u +%T)"
+  case "$part" in
+    tests) timeout 150 "$py" -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
+    fits) harness fits 240 80GB elixir,ddp,fsdp2,deepspeed_zero2,deepspeed_zero3,fsdp ;;
+    offload) harness offload 300 16GB elixir,elixir_offload,fsdp2_offload,ddp,deepspeed_zero3_offload ;;
+    table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
+    *) echo "unknown part $part (tests, fits, offload, table)" ;;
+  esac
+  pack
+done
+kill "$build" 2> /dev/null; wait
+tail -3 "$out/deepspeed_build.txt"
+pack
