@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -111,6 +112,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU, for MFU")
     p.add_argument("--profile", metavar="SYSTEM", help="run torch.profiler on this system instead of the tables")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--logs", metavar="DIR", help="keep every run's rank logs here (<workload>_<budget>_<system>.rank<r>.txt)")
     p.add_argument("--json", default=os.path.join("runs", "benchmarks", "harness.json"))
     p.add_argument("--png", default=os.path.join("runs", "benchmarks", "harness.png"))
     for hidden in ("--worker", "--workload", "--budget", "--out"):  # what the parent passes to each rank
@@ -233,6 +235,11 @@ def run_system(args: argparse.Namespace, argv: list[str], system: str, workload:
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", system, "--workload", workload,
                "--budget", budget or "", "--out", out]
         killed = wait(launch(cmd, args.devices, out), args.run_timeout)
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            for rank in range(args.devices):
+                shutil.copy(os.path.join(out, f"log.rank{rank}.txt"),
+                            os.path.join(args.logs, f"{workload}_{budget or 'none'}_{system}.rank{rank}.txt"))
         profile = os.path.join(out, "profile.txt")
         text = open(profile).read() if os.path.exists(profile) else ""
         return summarise(args, collect(out, args.devices, killed)), text

@@ -52,8 +52,14 @@ class SearchOptions:
     """Host page buffers NVMe-placed state is paged through, each as large as the largest NVMe
     chunk's record (plus a header block): one being read ahead, one being updated, one being written
     behind. The runtime's ``nvme_buffers``."""
-    margin_fraction: float = 0.05
-    """Fragmentation margin as a fraction of the predicted peak (caching allocator slack)."""
+    min_offload_gain: float = 0.1
+    """How much faster (a fraction of its predicted step) a plan must be predicted to beat one that
+    offloads fewer chunks ([Note: offloading for speed] in search.py); 0 takes the fastest prediction."""
+    margin_fraction: float = 0.15
+    """Margin as a fraction of the predicted peak: the caching allocator's slack (a per-process memory
+    limit caps the bytes it reserves, not those it hands out) and what the profile misses. On one H200
+    (GPT-2 medium, bf16-mixed, batch 8 x 1024, every chunk's state on the host) the allocator's peak was
+    10% above the prediction before the margin, and a plan with 5% ran out of memory (BENCHMARKS.md)."""
     margin_bytes: int = 256 * MiB
     """Fixed workspace margin (kernels' workspaces, communicator buffers)."""
     reduce_buffers: int = REDUCE_BUFFERS
@@ -90,6 +96,8 @@ class SearchOptions:
             raise ValueError(f"SearchOptions.master_bytes_per_numel must be >= 0, got {self.master_bytes_per_numel}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"SearchOptions.host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
+        if not 0.0 <= self.min_offload_gain < 1.0:
+            raise ValueError(f"SearchOptions.min_offload_gain must be in [0, 1), got {self.min_offload_gain}")
         if not 0.0 <= self.margin_fraction < 1.0:
             raise ValueError(f"SearchOptions.margin_fraction must be in [0, 1), got {self.margin_fraction}")
         if self.max_chunk_factor < 1.0:

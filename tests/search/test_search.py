@@ -63,12 +63,17 @@ def test_every_plan_fits_its_budget_and_matches_its_prediction(problem):
 @given(problems(), st.floats(1.0, 3.0))
 def test_a_larger_budget_is_never_predicted_slower(problem, factor):
     model, hw, options, budget = problem
+    fastest = dataclasses.replace(options, min_offload_gain=0.0)
     try:
-        small = search(model, hw, budget, options)[1].winner.step_s
+        small = search(model, hw, budget, fastest)[1].winner.step_s
+        small_default = search(model, hw, budget, options)[1].winner.step_s
     except NoPlanFitsError:
         return
-    large = search(model, hw, int(budget * factor) + 1, options)[1].winner.step_s
+    large = search(model, hw, int(budget * factor) + 1, fastest)[1].winner.step_s
     assert large <= small + 1e-9  # ranks compare times to the nanosecond
+    # Preferring fewer offloaded chunks gives up at most min_offload_gain ([Note: offloading for speed]).
+    large_default = search(model, hw, int(budget * factor) + 1, options)[1].winner.step_s
+    assert large_default <= small_default * (1.0 + options.min_offload_gain) + 1e-9
 
 
 @settings(max_examples=40, deadline=None)
@@ -146,7 +151,11 @@ def test_report_explains_the_choice():
     plan, report = search(model, hardware(), AMPLE, options)
     assert plan.name == "auto" and plan.world_size == 4 and plan.chunks
     assert len(report.candidates) == 5
-    assert [c.step_s for c in report.candidates] == sorted(c.step_s for c in report.candidates)
+    # The winner first, then the rest by predicted time; the winner is the fastest but for the preference
+    # for fewer offloaded chunks ([Note: offloading for speed]).
+    rest = [c.step_s for c in report.candidates[1:]]
+    assert rest == sorted(rest) and report.winner == report.candidates[0]
+    assert report.winner.step_s <= min(rest) * (1 + options.min_offload_gain)
     assert report.cost.step_s == report.winner.step_s
     assert report.memory.peak_bytes == report.winner.peak_bytes
     assert report.budget_bytes == AMPLE
