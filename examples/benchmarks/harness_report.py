@@ -104,12 +104,13 @@ def plot(args: argparse.Namespace, results: list[dict]) -> bool:
         return False
     fig, axes = plt.subplots(1, len(args.workload_list), figsize=(6 * len(args.workload_list), 4), squeeze=False)
     for ax, workload in zip(axes[0], args.workload_list):
-        for system in args.system_list:
+        colors = plt.get_cmap("tab20").colors  # more systems than the default cycle's 10 colours
+        for i, system in enumerate(args.system_list):
             ran = {r["budget"]: r["tokens_per_s"] for r in results
                    if (r["workload"], r["system"], r["status"]) == (workload, system, "ok")}
             points = [(i, ran[b]) for i, b in enumerate(args.budget_list) if b in ran]
             if points:
-                ax.plot(*zip(*points), marker="o", label=system)
+                ax.plot(*zip(*points), marker="osD^v<>"[i % 7], color=colors[2 * i % 20 + i // 10 % 2], label=system)
         ax.set_xticks(range(len(args.budget_list)), [b or "all" for b in args.budget_list])
         ax.set(title=workload, xlabel="device memory budget per rank", ylabel="tokens/s")
         ax.legend(fontsize=7)
