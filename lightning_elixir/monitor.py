@@ -341,6 +341,7 @@ def _calibration_metrics(decision: Decision) -> dict[str, float]:
         metrics.update({"elixir/calibration/compute_scale": calibration.compute_scale,
                         "elixir/calibration/bandwidth_scale": calibration.bandwidth_scale,
                         "elixir/calibration/optimizer_scale": calibration.optimizer_scale,
+                        "elixir/calibration/host_update_scale": calibration.host_update_scale,
                         "elixir/calibration/calibrated_step_ms": calibration.after.step_s * 1e3})
     return metrics
 

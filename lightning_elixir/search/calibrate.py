@@ -14,9 +14,16 @@ fits three factors so that the running plan's prediction matches what was measur
   and contention) matches the measured waits, found by bisection on the log of the factor, the
   one nearest 1 within tolerance (a wait that is all hidden identifies only a lower bound, so it
   moves no further than it must); bandwidths and latency move together;
-- updates: the measured optimizer step and waits for offloaded updates over the predicted device
-  optimizer and exposed host work (on a CPU-only machine the host updates run inside the step);
-  both optimizer speeds are scaled by it.
+- updates: on a GPU, two factors. The device optimizer's speed is scaled by the measured over the
+  predicted optimizer step. The host's update speed is the factor nearest 1 whose predicted exposed
+  host work matches the measured waits for offloaded updates (bisection, as for the collectives):
+  the host and the device are different machines, and a host slower than measured before the run
+  (the update's worker thread contending with the main thread, say) is what makes an offloading
+  plan slow, so it must make offloading look slower, not the whole optimizer. On a CPU-only machine
+  the host is the device and its updates run inside the step: one factor, measured optimizer step
+  and offload waits over predicted device optimizer and exposed host work, scales both speeds; so
+  it does where the running plan offloads nothing (no wait tells the host's speed, and a slower
+  device optimizer must not make offloading look faster than it was planned).
 
 With a measured device peak (CUDA), the activations are scaled so that the predicted peak
 matches it. The search then runs again on the calibrated profiles and the budget of the first
@@ -35,7 +42,7 @@ from typing import Callable, Optional
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
-from lightning_elixir.search.cost import CostBreakdown
+from lightning_elixir.search.cost import CostBreakdown, hides_host_work
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.evaluate import evaluate_plan
 from lightning_elixir.search.options import SearchOptions
@@ -89,7 +96,11 @@ class Calibration:
     bandwidth_scale: float
     """Collective bandwidths are multiplied by it (latency divided)."""
     optimizer_scale: float
-    """Measured over predicted optimizer and offloaded-update time (both optimizer speeds are divided by it)."""
+    """Measured over predicted device optimizer time (its speed is divided by it; on a CPU-only machine
+    the offloaded updates' too, as ``host_update_scale``)."""
+    host_update_scale: float
+    """How many times longer offloaded updates take than the profile said (the host optimizer's speed is
+    divided by it); ``optimizer_scale`` where the host is the device or the running plan offloads nothing."""
     activation_scale: float
     """Activation bytes are multiplied by it (1 without a measured peak)."""
     before: CostBreakdown
@@ -139,24 +150,40 @@ def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, 
         rest = before.memory.peak_bytes - before.memory.activation_bytes
         activation_scale = _clamp(_ratio(measured.peak_bytes - rest, before.memory.activation_bytes))
         model = scale_activations(model, activation_scale)
-    compute, bandwidth, updates = 1.0, 1.0, 1.0
+    compute, bandwidth, optimizer, host = 1.0, 1.0, 1.0, 1.0
+    separate_host = hides_host_work(hardware) and plan_offloads(plan)
+    tolerance = 0.02 * measured.step_s + 1e-4
 
-    def profiles(compute: float, bandwidth: float, updates: float) -> tuple[ModelProfile, HardwareProfile]:
-        return scale_compute(model, compute), scale_updates(scale_collectives(hardware, bandwidth), updates)
+    def profiles(compute: float, bandwidth: float, optimizer: float,
+                 host: float) -> tuple[ModelProfile, HardwareProfile]:
+        return scale_compute(model, compute), scale_updates(scale_collectives(hardware, bandwidth), optimizer, host)
 
     def wait_at(scale: float) -> float:
-        c = evaluate_plan(plan, *profiles(compute, scale, updates), options).cost
+        c = evaluate_plan(plan, *profiles(compute, scale, optimizer, host), options).cost
         return max(c.forward_backward_s - c.compute_s - c.contention_s, 0.0)
 
+    def offload_wait_at(speed: float) -> float:  # non-increasing in the host's speed
+        c = evaluate_plan(plan, *profiles(compute, bandwidth, optimizer, 1.0 / speed), options).cost
+        return c.exposed_host_s + c.exposed_copy_s
+
     for _ in range(rounds):
-        cost = evaluate_plan(plan, *profiles(compute, bandwidth, updates), options).cost
+        cost = evaluate_plan(plan, *profiles(compute, bandwidth, optimizer, host), options).cost
         compute = _clamp(compute * _ratio(measured.compute_s, cost.compute_s + cost.contention_s))
-        updates_s = cost.device_optimizer_s + cost.exposed_host_s + cost.exposed_copy_s
-        updates = _clamp(updates * _ratio(measured.optimizer_s + measured.offload_wait_s, updates_s))
-        bandwidth = _fit_scale(wait_at, measured.wait_s, tolerance=0.02 * measured.step_s + 1e-4)
-    model, hardware = profiles(compute, bandwidth, updates)
+        if separate_host:
+            optimizer = _clamp(optimizer * _ratio(measured.optimizer_s, cost.device_optimizer_s))
+            host = 1.0 / _fit_scale(offload_wait_at, measured.offload_wait_s, tolerance)
+        else:  # the host is the device, or nothing offloaded tells the host's speed: one factor for both
+            updates_s = cost.device_optimizer_s + cost.exposed_host_s + cost.exposed_copy_s
+            optimizer = host = _clamp(optimizer * _ratio(measured.optimizer_s + measured.offload_wait_s, updates_s))
+        bandwidth = _fit_scale(wait_at, measured.wait_s, tolerance)
+    model, hardware = profiles(compute, bandwidth, optimizer, host)
     after = evaluate_plan(plan, model, hardware, options).cost
-    return Calibration(model, hardware, compute, bandwidth, updates, activation_scale, before.cost, after)
+    return Calibration(model, hardware, compute, bandwidth, optimizer, host, activation_scale, before.cost, after)
+
+
+def plan_offloads(plan: ElixirPlan) -> bool:
+    """Whether any chunk's state of ``plan`` lives off the device."""
+    return any(spec.placement != "device" for spec in plan.chunks or ())
 
 
 def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
@@ -174,7 +201,9 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
                                f"({error:+.0%}, within {threshold:.0%}): keeping the plan")
     calibration = calibrate(plan, model, hardware, options, measured)
     factors = (f"calibrated compute x{calibration.compute_scale:.2f}, collectives' bandwidth "
-               f"x{calibration.bandwidth_scale:.2f}, optimizer x{calibration.optimizer_scale:.2f}")
+               f"x{calibration.bandwidth_scale:.2f}, optimizer x{calibration.optimizer_scale:.2f}"
+               + (f", host updates x{calibration.host_update_scale:.2f}"
+                  if calibration.host_update_scale != calibration.optimizer_scale else ""))
     start = (f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} ({error:+.0%}); "
              f"{factors}")
     try:
@@ -225,12 +254,14 @@ def scale_collectives(hardware: HardwareProfile, scale: float) -> HardwareProfil
         reduce_scatter_bytes_per_s=tuple((b, bw * scale) for b, bw in hardware.reduce_scatter_bytes_per_s))
 
 
-def scale_updates(hardware: HardwareProfile, scale: float) -> HardwareProfile:
-    """``hardware`` with both optimizer speeds divided by ``scale`` (updates take ``scale`` times as long)."""
-    if scale == 1.0:
+def scale_updates(hardware: HardwareProfile, scale: float, host_scale: Optional[float] = None) -> HardwareProfile:
+    """``hardware`` with the device optimizer's speed divided by ``scale`` and the host's by ``host_scale``
+    (default ``scale``): updates take that many times as long."""
+    host_scale = scale if host_scale is None else host_scale
+    if scale == 1.0 and host_scale == 1.0:
         return hardware
     return dataclasses.replace(hardware, optimizer_device_numel_per_s=hardware.optimizer_device_numel_per_s / scale,
-                               optimizer_cpu_numel_per_s=hardware.optimizer_cpu_numel_per_s / scale)
+                               optimizer_cpu_numel_per_s=hardware.optimizer_cpu_numel_per_s / host_scale)
 
 
 def _fit_scale(predict: Callable[[float], float], target: float, tolerance: float, steps: int = 30) -> float:

@@ -15,7 +15,8 @@ from tests.search.profiles import GiB, gpt_profile, hardware
 
 SLOW = ((1 << 20, 2e9), (1 << 26, 1.5e10), (1 << 30, 2e10))
 TRUE = hardware(all_gather_bytes_per_s=SLOW, reduce_scatter_bytes_per_s=SLOW)
-OPTIONS = SearchOptions(world_size=8, min_offload_gain=0.0)  # the fastest prediction wins: plans follow the profile
+# The fastest prediction wins (plans follow the profile); the budgets below were chosen under a 5% margin.
+OPTIONS = SearchOptions(world_size=8, min_offload_gain=0.0, margin_fraction=0.05)
 MODEL = gpt_profile(2048, 8, seq=1024, batch=4)
 
 
@@ -93,3 +94,24 @@ def test_measurement_is_checked():
     with pytest.raises(ValueError):
         StepMeasurement(1.0, gather_wait_s=math.nan)
     assert StepMeasurement(1.0, gather_wait_s=0.2, reduce_wait_s=0.1, optimizer_s=0.3).compute_s == pytest.approx(0.4)
+
+
+def test_a_slow_host_moves_offloaded_state_back_to_the_device():
+    """On a GPU the host's update speed is fitted to the measured waits for offloaded updates, apart from
+    the device optimizer's: a plan that offloaded for speed, slow because the host updates 100x slower
+    than its profile said, is replaced by one that keeps more of its state on the device."""
+    believed = dataclasses.replace(TRUE, optimizer_device_numel_per_s=1e9, optimizer_cpu_numel_per_s=1e10)
+    truth = dataclasses.replace(believed, optimizer_cpu_numel_per_s=1e8)
+    budget = 8 * GiB
+    running, _ = search(MODEL, believed, budget, OPTIONS)
+    offloaded = sum(c.placement != "device" for c in running.chunks)
+    assert offloaded  # a fast host and a slow device optimizer: offloading was predicted faster
+    measured = measure(running, truth=truth)
+    assert measured.offload_wait_s > 0.1 * measured.step_s
+    decision = reconsider(running, MODEL, believed, budget, OPTIONS, measured)
+    assert decision.calibration is not None
+    assert decision.calibration.host_update_scale == pytest.approx(100.0, rel=0.2)
+    assert decision.calibration.optimizer_scale == pytest.approx(1.0, rel=0.05)
+    assert decision.outcome == "switch" and decision.plan is not None
+    assert sum(c.placement != "device" for c in decision.plan.chunks) < offloaded
+    assert "host updates x" in decision.reason
