@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # The prepared GPU run on one H200; it builds and installs nothing from source. Four parts, each with its
-# own time limit (a hang in one still leaves the others' results), about 8 minutes together:
-#   tests    the GPU tests (tests/test_gpu.py);
+# own time limit (a hang in one still leaves the others' results):
+#   tests    the GPU tests (tests/test_gpu.py), about 30 s;
 #   fits     the harness with the GPT at GPT-2 medium size, bf16-mixed, one round of 5 timed steps, at an
-#            emulated budget of 80 GB where everything fits: DDP, Elixir's auto plan, FSDP2, Lightning's
-#            FSDP and DeepSpeed ZeRO-2 and ZeRO-3;
+#            emulated budget of 80 GB where everything fits: Elixir's auto, ZeRO-2 and ZeRO-3 plans, DDP,
+#            FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, and Lightning's FSDP (about 40 s a system);
 #   offload  the same at 16 GB, where the model's states and activations do not all fit (the planner
 #            predicts 18.5 GiB for the all-device plan): the auto plan, Elixir's all-on-host plan, FSDP2
 #            with CPU offload, DeepSpeed ZeRO-3 offload, and DDP (expected to run out of memory);
-#   table    the offload benchmark's GPU table.
+#   table    the offload benchmark's GPU table (not run by default).
 # Usage (CUDA; the project importable from the repository root):
-#   bash examples/benchmarks/gpu_check.sh                 # every part
+#   bash examples/benchmarks/gpu_check.sh                 # tests, fits, offload: about 10 minutes
 #   bash examples/benchmarks/gpu_check.sh tests fits      # some parts, in the order given
+# On the first H200 run (BENCHMARKS.md) "tests fits" and "offload" ran as two calls of 4-5 minutes each.
 # Wheels in .whl/ (DeepSpeed and what it needs, where the machine lacks them) are installed into
-# /tmp/site first; DeepSpeed's host Adam is compiled in the background while the first parts run.
+# /tmp/site first; DeepSpeed's host Adam is compiled in the background while the first parts run. The
+# wheels for an x86-64 Python 3.12 machine, made here (DeepSpeed's sdist built without its extensions):
+#   pip download --no-deps deepspeed==0.19.8 -d /tmp/ds && DS_BUILD_OPS=0 pip wheel --no-deps \
+#     --no-build-isolation /tmp/ds/deepspeed-0.19.8.tar.gz -w .whl     # needs torch installed
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl hjson pydantic pydantic-core==2.50.5 annotated-types \
+#     typing-inspection typing_extensions                              # pydantic-core: the one pydantic pins
+# Every harness run's rank logs (the plan Elixir chose, its self-correction, any error in full) go
+# to gpu_results/logs/.
 # Results: gpu_results/ (the machine, the test log, the harness's tables (.md), logs, JSON and plots, the
 # offload table); where $OUT is set, all of them also as one $OUT/gpu_check.tar, refreshed after each part.
 set -uo pipefail
@@ -44,15 +53,15 @@ pack
 
 harness() {  # name, seconds, budget, systems; the .log has each run's step time as it finishes
   timeout "$2" "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
-    --budgets "$3" --systems "$4" --rounds 1 --warmup 2 --steps 5 --run-timeout 90 \
+    --budgets "$3" --systems "$4" --rounds 1 --warmup 2 --steps 5 --run-timeout 90 --logs "$out/logs" \
     --json "$out/harness_$1.json" --png "$out/harness_$1.png" > "$out/harness_$1.md" 2> "$out/harness_$1.log"
   cat "$out/harness_$1.log" "$out/harness_$1.md"
 }
-for part in ${*:-tests fits table offload}; do
+for part in ${*:-tests fits offload}; do
   echo "=== $part $(date -u +%T)"
   case "$part" in
     tests) timeout 150 "$py" -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
-    fits) harness fits 240 80GB elixir,ddp,fsdp2,deepspeed_zero2,deepspeed_zero3,fsdp ;;
+    fits) harness fits 360 80GB elixir,elixir_zero2,elixir_zero3,ddp,fsdp2,deepspeed_zero2,deepspeed_zero3,fsdp ;;
     offload) harness offload 300 16GB elixir,elixir_offload,fsdp2_offload,ddp,deepspeed_zero3_offload ;;
     table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
     *) echo "unknown part $part (tests, fits, offload, table)" ;;
