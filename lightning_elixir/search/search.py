@@ -261,13 +261,15 @@ def _report(ranked: list[_Evaluated], spaces: list[_Space], model: ModelProfile,
     top = tuple(e.candidate for e in ranked[: options.report_top])
     evaluated = sum(e.costed for e in ranked)
     return SearchReport(budget_bytes, options.world_size, options.micro_batches, top, best.cost, memory,
-                        layouts, bound_s, reason, evaluated, _placement_reason(best, model, budget_bytes, options))
+                        layouts, bound_s, reason, evaluated,
+                        _placement_reason(best, min(ranked, key=lambda e: e.key), model, budget_bytes, options))
 
 
-def _placement_reason(best: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions) -> str:
+def _placement_reason(best: _Evaluated, fastest: _Evaluated, model: ModelProfile, budget_bytes: int,
+                      options: SearchOptions) -> str:
     """Why the winner's state sits where it does: what keeping it all on the device would need, and
     why any of it is on NVMe."""
-    reason, rung = _offload_reason(best, model, budget_bytes, options), best.rung
+    reason, rung = _offload_reason(best, fastest, model, budget_bytes, options), best.rung
     if not rung.nvme_chunks:
         return reason
     if not options.allow_cpu:
@@ -276,12 +278,17 @@ def _placement_reason(best: _Evaluated, model: ModelProfile, budget_bytes: int, 
             f"on the CPU, so {rung.nvme_chunks} go to NVMe")
 
 
-def _offload_reason(best: _Evaluated, model: ModelProfile, budget_bytes: int, options: SearchOptions) -> str:
+def _offload_reason(best: _Evaluated, fastest: _Evaluated, model: ModelProfile, budget_bytes: int,
+                    options: SearchOptions) -> str:
     """Why the winner offloads what it does: what keeping it all on the device would need."""
     space, rung, blocks = best.space, best.rung, best.candidate.cache_blocks
     if not rung.offloaded:
         if len(space.ladder) == 1:
             return "all state on the device (offload is not allowed, or host memory cannot take a chunk)"
+        if fastest.rung.offloaded:
+            gain = 1.0 - fastest.cost.step_s / best.cost.step_s
+            return (f"all state on the device: offloading {fastest.rung.offloaded} chunk(s) is predicted only "
+                    f"{gain:.1%} faster, under the {options.min_offload_gain:.0%} it must gain")
         return "all state on the device: offloading is not predicted faster"
     device_state = space.ladder[0].device_state_bytes
     freed = format_bytes(device_state - rung.device_state_bytes)
