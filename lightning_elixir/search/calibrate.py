@@ -151,7 +151,7 @@ def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, 
         activation_scale = _clamp(_ratio(measured.peak_bytes - rest, before.memory.activation_bytes))
         model = scale_activations(model, activation_scale)
     compute, bandwidth, optimizer, host = 1.0, 1.0, 1.0, 1.0
-    separate_host = hides_host_work(hardware) and plan_offloads(plan)
+    separate_host = hides_host_work(hardware) and plan.offloads
     tolerance = 0.02 * measured.step_s + 1e-4
 
     def profiles(compute: float, bandwidth: float, optimizer: float,
@@ -179,11 +179,6 @@ def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, 
     model, hardware = profiles(compute, bandwidth, optimizer, host)
     after = evaluate_plan(plan, model, hardware, options).cost
     return Calibration(model, hardware, compute, bandwidth, optimizer, host, activation_scale, before.cost, after)
-
-
-def plan_offloads(plan: ElixirPlan) -> bool:
-    """Whether any chunk's state of ``plan`` lives off the device."""
-    return any(spec.placement != "device" for spec in plan.chunks or ())
 
 
 def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
