@@ -22,7 +22,8 @@
 #     --platform manylinux2014_x86_64 -d .whl hjson pydantic pydantic-core==2.50.5 annotated-types \
 #     typing-inspection typing_extensions                              # pydantic-core: the one pydantic pins
 # Every harness run's rank logs (the plan Elixir chose, its self-correction, any error in full) go
-# to gpu_results/logs/.
+# to gpu_results/logs/, and the hardware profile plan="auto" measured to gpu_results/ (to compare with
+# the estimate in configs/hardware/h200-x1.json).
 # Results: gpu_results/ (the machine, the test log, the harness's tables (.md), logs, JSON and plots, the
 # offload table); where $OUT is set, all of them also as one $OUT/gpu_check.tar, refreshed after each part.
 set -uo pipefail
@@ -66,6 +67,7 @@ for part in ${*:-tests fits offload}; do
     table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
     *) echo "unknown part $part (tests, fits, offload, table)" ;;
   esac
+  cp ~/.cache/lightning_elixir/*.json "$out/" 2> /dev/null  # the hardware profile plan="auto" measured
   pack
 done
 kill "$build" 2> /dev/null; wait
