@@ -14,7 +14,7 @@ import pytest
 from examples.benchmarks import harness
 from examples.benchmarks.harness import REDUCED_SYSTEMS
 from examples.benchmarks.harness_rank import classify, profile_tables
-from examples.benchmarks.harness_report import markdown_table
+from examples.benchmarks.harness_report import largest_sizes, markdown_table
 from examples.benchmarks.harness_systems import WORKLOADS, NotInstallable, flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,3 +155,33 @@ def test_collectives_benchmark_prints_both_tables_with_every_collective():
     assert all(len(row.split(" | ")) == 5 and "nan" not in row for row in rows)  # 4 collectives each, all timed
     for name in ("reduce_scatter_tensor", "exchange + add", "exchange, reused buffers", "all-reduce", "all-gather"):
         assert name in proc.stdout
+
+
+def test_size_grid_stops_at_the_first_size_out_of_memory_and_reports_the_largest_that_trained(monkeypatch):
+    args = harness.parse_args(["--accelerator=gpu", "--devices=1", "--sizes=small,medium,2x64x4",
+                               "--budgets=16GB,80GB", "--systems=ddp,elixir", "--workloads=gpt"])
+    assert [s[0] for s in args.size_list] == ["small", "medium", "2x64x4"]
+    ran = []
+
+    def fake_run(shaped, argv, system, workload, budget):  # ddp runs out of memory from medium on under 16 GB
+        ran.append((shaped.n_layer, system, budget))
+        if system == "ddp" and budget == "16GB" and shaped.n_layer > 12:
+            return {"status": "OOM", "reason": "OutOfMemoryError"}, ""
+        return harness.summarise(shaped, [_rank(0.1, device_name="NVIDIA H200", peak_device_bytes=2**30)]), ""
+
+    monkeypatch.setattr(harness, "run_system", fake_run)
+    rows = harness.run_grid(args, [])
+    assert (2, "ddp", "16GB") not in ran and (2, "ddp", "80GB") in ran  # not run past its first OOM
+    skipped = next(r for r in rows if (r["size"], r["system"], r["budget"]) == ("2x64x4", "ddp", "16GB"))
+    assert skipped["status"] == "OOM" and skipped["reason"] == "not run: OOM at medium"
+    assert {(r["size"], r["n_layer"], r["n_embd"]) for r in rows} == {("small", 12, 768), ("medium", 24, 1024),
+                                                                      ("2x64x4", 2, 64)}
+    table = largest_sizes(args, rows)
+    assert "| ddp | small | 2x64x4 |" in table and "| elixir | 2x64x4 | 2x64x4 |" in table
+
+
+def test_sizes_refuse_a_shape_they_cannot_read():
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--sizes=medium,huge"])
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--size=small", "--sizes=medium"])

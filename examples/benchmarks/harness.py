@@ -5,6 +5,7 @@
     python examples/benchmarks/harness.py --systems ddp,elixir,fsdp2 --workloads llama --rounds 3
     python examples/benchmarks/harness.py --profile elixir_zero3   # torch.profiler tables of one system
     python examples/benchmarks/harness.py --accelerator gpu --size large --budgets 16GB,24GB,40GB,80GB
+    python examples/benchmarks/harness.py --accelerator gpu --sizes medium,large,xl --budgets 16GB,40GB,80GB
 
 Systems: "ddp" (Lightning's DDP); "elixir" (plan="auto", given the budget as device_memory_limit);
 "elixir_zero2" and "elixir_zero3" (fixed plans); "elixir_offload" (the default chunk layout with every
@@ -27,7 +28,9 @@ every rank (and given to plan="auto"); TFLOP/s count 6 N + 12 L d T FLOPs per to
 that fails is a row "OOM" or "failed: <reason>", never dropped. The tables are markdown, one per
 workload, with ratios of tokens/s to DDP and to the best peer (the fastest non-Elixir system) of the
 same workload and budget; all results also go to ``--json``, and on a GPU a plot of tokens/s against
-budget to ``--png`` (when matplotlib imports).
+budget to ``--png`` (when matplotlib imports). ``--sizes`` runs the grid at several model sizes, smallest
+first; a system that runs out of memory at a size under a budget is not run at the larger ones, and the
+report ends with the largest size each system trained under each budget.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budgets", help="GPU only: comma-separated device memory per rank, e.g. 16GB,24GB,40GB")
     p.add_argument("--reduced", action="store_true", help="tiny models, 2 timed steps, 1 round, 3 systems")
     p.add_argument("--size", choices=tuple(GPT2_SIZES), help="a GPT-2 shape for n_layer, n_embd, n_head")
+    p.add_argument("--sizes", help="a grid over model size, smallest first: GPT-2 names or LxDxH shapes (layers x "
+                   "width x heads), e.g. medium,large,xl; the report adds the largest size each system trains per budget")
     for name in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size", "batch_size", "warmup", "steps"):
         p.add_argument("--" + name.replace("_", "-"), type=int)
     p.add_argument("--n-kv-head", type=int, help="Llama's key/value heads (grouped-query attention); default n_head")
@@ -138,6 +143,9 @@ def _fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     args.system_list = args.systems.split(",") if args.systems else list(default)
     args.workload_list = args.workloads.split(",")
     args.budget_list = args.budgets.split(",") if args.budgets else [None]
+    if args.sizes and args.size:
+        p.error("--size and --sizes do not go together: give the one size as --sizes")
+    args.size_list = [_parse_size(p, s) for s in args.sizes.split(",")] if args.sizes else [None]
     unknown = [s for s in [*args.system_list, args.profile] if s and s not in GPU_SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(GPU_SYSTEMS)}")
@@ -145,6 +153,25 @@ def _fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         p.error(f"--workloads takes {', '.join(WORKLOADS)}, got {args.workloads!r}")
     if args.budgets and not gpu:
         p.error("--budgets emulates GPU memory; use it with --accelerator gpu")
+
+
+def _parse_size(p: argparse.ArgumentParser, text: str) -> tuple[str, tuple[int, int, int]]:
+    """(name, (n_layer, n_embd, n_head)) of a GPT-2 size name or an LxDxH shape."""
+    if text in GPT2_SIZES:
+        return text, GPT2_SIZES[text]
+    try:
+        n_layer, n_embd, n_head = (int(v) for v in text.split("x"))
+    except ValueError:
+        p.error(f"--sizes takes {', '.join(GPT2_SIZES)} or LxDxH shapes such as 2x64x4, got {text!r}")
+    return text, (n_layer, n_embd, n_head)
+
+
+def sized(args: argparse.Namespace, size: Optional[tuple[str, tuple[int, int, int]]]) -> argparse.Namespace:
+    """``args`` with one size of the grid's shape (unchanged for None: no size grid)."""
+    if size is None:
+        return args
+    n_layer, n_embd, n_head = size[1]
+    return argparse.Namespace(**{**vars(args), "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head})
 
 
 def _gpu_count() -> int:
@@ -232,7 +259,9 @@ def run_system(args: argparse.Namespace, argv: list[str], system: str, workload:
                budget: Optional[str]) -> tuple[dict, str]:
     """Run one system once in fresh processes: its row, and rank 0's profile text (if profiling)."""
     with tempfile.TemporaryDirectory(prefix="elixir-harness-") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", system, "--workload", workload,
+        # the shape last: in a size grid it overrides the defaults (the worker ignores --sizes)
+        shape = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head)]
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, *shape, "--worker", system, "--workload", workload,
                "--budget", budget or "", "--out", out]
         killed = wait(launch(cmd, args.devices, out), args.run_timeout)
         if args.logs:
@@ -246,30 +275,42 @@ def run_system(args: argparse.Namespace, argv: list[str], system: str, workload:
 
 
 def run_grid(args: argparse.Namespace, argv: list[str]) -> list[dict]:
-    """Every workload x budget x system, ``rounds`` times in alternating order; each one's fastest round."""
+    """Every workload x size x budget x system, ``rounds`` times in alternating order; each one's fastest
+    round. In a size grid a system that ran out of memory at a size under a budget is not run at the
+    larger sizes under that budget: its row says so."""
     results = []
     for workload in args.workload_list:
-        for budget in args.budget_list:
-            best: dict[str, dict] = {}
-            for round_ in range(args.rounds):
-                for system in args.system_list if round_ % 2 == 0 else args.system_list[::-1]:
-                    if system in best and best[system]["status"] != "ok":
-                        continue  # a failure repeats; running it again only costs time
-                    row, _ = run_system(args, argv, system, workload, budget)
-                    _progress(workload, budget, system, round_, row)
-                    kept = best.get(system)
-                    rounds = (kept["rounds"] if kept else []) + [row.get("step_s", row["status"])]
-                    if kept is None or (row["status"] == "ok" and row["step_s"] < kept["step_s"]):
-                        kept = {"workload": workload, "budget": budget, "system": system, **row}
-                    best[system] = {**kept, "rounds": rounds}
-            results += [best[s] for s in args.system_list]
+        out_of_memory: dict[tuple, str] = {}  # (budget, system) -> the size that ran out of memory
+        for size in args.size_list:
+            shaped, name = sized(args, size), size[0] if size else None
+            for budget in args.budget_list:
+                best: dict[str, dict] = {}
+                for system in args.system_list:
+                    if (budget, system) in out_of_memory:
+                        best[system] = {"status": "OOM", "reason": f"not run: OOM at {out_of_memory[budget, system]}"}
+                for round_ in range(args.rounds):
+                    for system in args.system_list if round_ % 2 == 0 else args.system_list[::-1]:
+                        if system in best and best[system]["status"] != "ok":
+                            continue  # a failure repeats; running it again only costs time
+                        row, _ = run_system(shaped, argv, system, workload, budget)
+                        _progress(workload, name, budget, system, round_, row)
+                        kept = best.get(system)
+                        rounds = (kept["rounds"] if kept else []) + [row.get("step_s", row["status"])]
+                        if kept is None or (row["status"] == "ok" and row["step_s"] < kept["step_s"]):
+                            kept = {**row}
+                        best[system] = {**kept, "rounds": rounds}
+                for system in args.system_list:
+                    if best[system]["status"] == "OOM":
+                        out_of_memory.setdefault((budget, system), name)
+                results += [{"workload": workload, "size": name, "n_layer": shaped.n_layer, "n_embd": shaped.n_embd,
+                             "n_head": shaped.n_head, "budget": budget, "system": s, **best[s]} for s in args.system_list]
     return results
 
 
-def _progress(workload: str, budget: Optional[str], system: str, round_: int, row: dict) -> None:
+def _progress(workload: str, size: Optional[str], budget: Optional[str], system: str, round_: int, row: dict) -> None:
     what = f"{row['step_s'] * 1e3:.0f} ms/step" if row["status"] == "ok" else status_cell(row)
-    print(f"[{workload}{' @ ' + budget if budget else ''}] round {round_ + 1}: {system}: {what}",
-          file=sys.stderr, flush=True)
+    print(f"[{workload}{' ' + size if size else ''}{' @ ' + budget if budget else ''}] round {round_ + 1}: "
+          f"{system}: {what}", file=sys.stderr, flush=True)
 
 
 def run_profile(args: argparse.Namespace, argv: list[str]) -> None:

@@ -77,12 +77,17 @@ def report(args: argparse.Namespace, results: list[dict], load: float, elapsed_s
     print("CPU ms: host CPU time of one step, all of a process's threads, the mean over ranks. vs ddp: "
           "tokens/s over DDP's, best rounds; paired: the median over rounds of the same ratio within a round.\n")
     for workload in args.workload_list:
-        rows = [r for r in results if r["workload"] == workload]
-        params = next((r["n_params"] for r in rows if r["status"] == "ok"), None)
-        size = f"{params / 1e6:.1f}M parameters, " if params else ""
-        print(f"## {workload}: {size}n_layer {args.n_layer}, n_embd {args.n_embd}, n_head {args.n_head}, "
-              f"vocab {args.vocab_size}\n")
-        print(markdown_table(args, rows))
+        for size in args.size_list:
+            rows = [r for r in results if r["workload"] == workload and r.get("size") == (size and size[0])]
+            params = next((r["n_params"] for r in rows if r["status"] == "ok"), None)
+            shape = rows[0] if rows and "n_layer" in rows[0] else vars(args)
+            print(f"## {workload}: {f'{params / 1e6:.1f}M parameters, ' if params else ''}"
+                  f"{f'size {size[0]}, ' if size else ''}n_layer {shape['n_layer']}, n_embd {shape['n_embd']}, "
+                  f"n_head {shape['n_head']}, vocab {args.vocab_size}\n")
+            print(markdown_table(args, rows))
+        if len(args.size_list) > 1:
+            print(f"## {workload}: the largest size each system trains\n")
+            print(largest_sizes(args, [r for r in results if r["workload"] == workload]))
     if args.accelerator == "gpu":
         print("TFLOP/s: (6 N + 12 L d T) FLOPs per token x tokens per step / step time, all ranks together; "
               "MFU: over the GPUs' dense bf16 peak.\n")
@@ -91,6 +96,20 @@ def report(args: argparse.Namespace, results: list[dict], load: float, elapsed_s
     print(f"results: {args.json}")
     if args.accelerator == "gpu" and plot(args, results):
         print(f"plot: {args.png}")
+
+
+def largest_sizes(args: argparse.Namespace, rows: list[dict]) -> str:
+    """One workload's size grid as a table: per system and budget, the largest size that trained ("none"
+    when not even the smallest did)."""
+    budgets = [b or "all" for b in args.budget_list]
+    lines = ["| system | " + " | ".join(budgets) + " |", "|" + "---|" * (len(budgets) + 1)]
+    for system in args.system_list:
+        cells = []
+        for budget in args.budget_list:
+            ran = [r["size"] for r in rows if (r["system"], r["budget"], r["status"]) == (system, budget, "ok")]
+            cells.append(max(ran, key=[s[0] for s in args.size_list].index) if ran else "none")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(args: argparse.Namespace, results: list[dict]) -> bool:
@@ -102,17 +121,19 @@ def plot(args: argparse.Namespace, results: list[dict]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(args.workload_list), figsize=(6 * len(args.workload_list), 4), squeeze=False)
-    for ax, workload in zip(axes[0], args.workload_list):
+    panels = [(w, s and s[0]) for w in args.workload_list for s in getattr(args, "size_list", [None])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (workload, size) in zip(axes[0], panels):
         colors = plt.get_cmap("tab20").colors  # more systems than the default cycle's 10 colours
         for i, system in enumerate(args.system_list):
-            ran = {r["budget"]: r["tokens_per_s"] for r in results
-                   if (r["workload"], r["system"], r["status"]) == (workload, system, "ok")}
+            ran = {r["budget"]: r["tokens_per_s"] for r in results if r.get("size") == size
+                   and (r["workload"], r["system"], r["status"]) == (workload, system, "ok")}
             points = [(i, ran[b]) for i, b in enumerate(args.budget_list) if b in ran]
             if points:
                 ax.plot(*zip(*points), marker="osD^v<>"[i % 7], color=colors[2 * i % 20 + i // 10 % 2], label=system)
         ax.set_xticks(range(len(args.budget_list)), [b or "all" for b in args.budget_list])
-        ax.set(title=workload, xlabel="device memory budget per rank", ylabel="tokens/s")
+        ax.set(title=f"{workload} {size}" if size else workload, xlabel="device memory budget per rank",
+               ylabel="tokens/s")
         ax.legend(fontsize=7)
     os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
     fig.tight_layout()
