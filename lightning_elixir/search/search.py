@@ -19,9 +19,10 @@ A plan that offloads more chunks than another wins only when it is predicted fas
 ``min_offload_gain`` (10%) of its step. What offloading costs beyond the model's terms is not small
 on a GPU: the host update runs on a Python worker thread beside the hook-driven main thread, and its
 pinned copies share the bus with the offloaded chunks' gradients. Measured on one H200 (GPT-2 medium,
-bf16-mixed, batch 8 x 1024, BENCHMARKS.md), an 80 GB budget that everything fits: the search offloaded
-6 of 38 chunks for a predicted gain of 0.4%, and the step took 409 ms where the all-device ZeRO-2 plan
-took 91 ms. The ranking is otherwise unchanged: among the candidates within the gain of the fastest,
+bf16-mixed, batch 8 x 1024, BENCHMARKS.md), an 80 GB budget that everything fits: the auto plan
+offloaded (6 of 38 chunks after its self-correction; with the estimated H200 profile the search
+offloads 5 of 74 for a predicted gain of 0.4%), and the step took 409 ms where the all-device ZeRO-2
+plan took 91 ms. The ranking is otherwise unchanged: among the candidates within the gain of the fastest,
 the one offloading the fewest chunks wins, by the usual key.
 """
 
