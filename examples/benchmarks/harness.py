@@ -297,7 +297,7 @@ def run_grid(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                         kept = best.get(system)
                         rounds = (kept["rounds"] if kept else []) + [row.get("step_s", row["status"])]
                         if kept is None or (row["status"] == "ok" and row["step_s"] < kept["step_s"]):
-                            kept = {**row}
+                            kept = row
                         best[system] = {**kept, "rounds": rounds}
                 for system in args.system_list:
                     if best[system]["status"] == "OOM":

@@ -80,10 +80,10 @@ def report(args: argparse.Namespace, results: list[dict], load: float, elapsed_s
         for size in args.size_list:
             rows = [r for r in results if r["workload"] == workload and r.get("size") == (size and size[0])]
             params = next((r["n_params"] for r in rows if r["status"] == "ok"), None)
-            shape = rows[0] if rows and "n_layer" in rows[0] else vars(args)
+            n_layer, n_embd, n_head = size[1] if size else (args.n_layer, args.n_embd, args.n_head)
             print(f"## {workload}: {f'{params / 1e6:.1f}M parameters, ' if params else ''}"
-                  f"{f'size {size[0]}, ' if size else ''}n_layer {shape['n_layer']}, n_embd {shape['n_embd']}, "
-                  f"n_head {shape['n_head']}, vocab {args.vocab_size}\n")
+                  f"{f'size {size[0]}, ' if size else ''}n_layer {n_layer}, n_embd {n_embd}, n_head {n_head}, "
+                  f"vocab {args.vocab_size}\n")
             print(markdown_table(args, rows))
         if len(args.size_list) > 1:
             print(f"## {workload}: the largest size each system trains\n")
@@ -121,7 +121,7 @@ def plot(args: argparse.Namespace, results: list[dict]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = [(w, s and s[0]) for w in args.workload_list for s in getattr(args, "size_list", [None])]
+    panels = [(w, s and s[0]) for w in args.workload_list for s in args.size_list]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (workload, size) in zip(axes[0], panels):
         colors = plt.get_cmap("tab20").colors  # more systems than the default cycle's 10 colours
