@@ -1787,6 +1787,22 @@ def _eval_data(role: str, make: Callable[..., TensorDataset]) -> Callable[[], di
     return lambda: {role: loader(make(seed=2)), "val": loader(make(seed=1))}
 
 
+DEEPSEEK_V3_ADAMW = Tol(weight_atol=1.2e-4, why=(
+    "AdamW's first step moves an element by lr*g/(|g|+eps) (there m_hat = g, sqrt(v_hat) = |g|), whose slope in g "
+    "is eps/(|g|+eps)^2: where a first gradient lies within a few eps of zero, a rounding difference d in it moves "
+    "the weight by lr*eps*d/(|g|+eps)^2, and the difference stays (later steps divide by a root mean square that "
+    "holds larger gradients). What rounds differently: Elixir's hooks put an identity node on the input of every "
+    "module with parameters, so at an RMSNorm input the norm's two gradient contributions (pow and mul) are added "
+    "together before the residual branch's, not in autograd's arrival order; from layer 1's attention down, "
+    "gradients differ in the last bits (the MoE routing and every layer-1 MLP gradient are bitwise DDP's). A Linear "
+    "weight's gradient adds K = 64 token terms per rank; with S the sum of their magnitudes, two orders differ by "
+    "about sqrt(K)*u*S (u = 2^-24; measured at most 4.3 u*S, Elixir against DDP, over every Linear weight element "
+    "under AVX-512, AVX2 and SSE kernels and with each batch's samples reversed). lr*eps/(|g|+eps)^2 * sqrt(K)*u*S "
+    "over the Linear weights of this case's first step is largest at layer 0's mlp.gate_proj[47, 20] (g = 2.7e-8 = "
+    "2.7 eps, S = 3.4e-3, lr = 1e-2, eps = 1e-8): 1.2e-4, the elementwise floor. A wrong update or a flipped routing "
+    "decision moves weights by a step (lr = 1e-2); losses and the relative tolerance stay 1e-5."))
+
+
 CASES: list[Case] = [
     # architectures
     Case("sequential_mlp", SequentialMLP, cls_data),
@@ -1863,7 +1879,8 @@ CASES: list[Case] = [
     Case("hf_llama", _hf("llama"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
     Case("hf_bert_mlm", _hf("bert"), token_data, requires="transformers"),
     Case("hf_mixtral_moe", _hf("mixtral"), token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
-    *(Case(f"hf_{kind}", _hf(kind), token_data, requires="transformers", tol=ADAM_NEAR_ZERO) for kind in _MORE_HF),
+    *(Case(f"hf_{kind}", _hf(kind), token_data, requires="transformers",
+           tol=DEEPSEEK_V3_ADAMW if kind == "deepseek_v3" else ADAM_NEAR_ZERO) for kind in _MORE_HF),
     # bf16-mixed
     Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
     Case("bf16_mlp", SequentialMLP, cls_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
