@@ -5,7 +5,7 @@ Five fits from the same weights and data:
 1. "measured": plan="auto" on this machine's measured profile, ``replan=False``: the true profile's plan;
 2. "wrong": plan="auto" with that profile's collectives 10x too fast ([Note: self-correction]): after its
    calibration steps the monitor finds the step far slower than predicted, fits the collectives'
-   bandwidth below 1, searches again on the calibrated profiles and ends on the true profile's plan,
+   bandwidth below 1, searches again on the calibrated profiles and ends on their plan,
    switching when the wrong profile chose another (margin 0: whether a switch happens at all depends on
    this machine's speeds, which the test cannot fix; tests/search/test_calibrate.py shows it on fixed ones);
 3. "by hand": a fixed plan switched to another by ``ElixirStrategy.switch_plan`` after step 3, as the
@@ -70,7 +70,13 @@ class Planned(Callback):
         if planning is not None:
             planning.hardware_profile.to_json(self.run / f"hardware{rank}.json")
         measured = self.run.parent / "measured"
-        if planning is not None and self.run.name == "wrong":  # both plans predicted on the measured profile
+        if planning is not None and self.run.name == "wrong" and decision is not None and decision.calibration:
+            calibration = decision.calibration
+            out["calibrated_over_measured"] = calibration.after.step_s / decision.measured.step_s
+            # the plan it ends on against the calibrated search's winner, both on the calibrated profiles
+            last = evaluate_plan(strategy.runtime.plan, calibration.model, calibration.hardware, planning.options)
+            out["last_over_best"] = last.cost.step_s / decision.report.cost.step_s
+            # and against the measured profile's plan, on the measured profile (reported, not asserted)
             hardware = HardwareProfile.from_json(measured / f"hardware{rank}.json")
             true_plan = ElixirPlan.from_dict(json.loads((measured / f"planned{rank}.json").read_text())["last"])
             predict = [evaluate_plan(p, planning.model_profile, hardware, planning.options).cost.step_s
@@ -127,14 +133,23 @@ def planned(run: Path) -> list[dict]:
     return [json.loads((run / f"planned{r}.json").read_text()) for r in range(2)]
 
 
-def test_wrong_profile_is_calibrated_and_ends_on_the_true_profiles_plan(runs):
-    true_plan = planned(runs["measured"])[0]["last"]
+def test_wrong_profile_is_calibrated_and_ends_on_the_calibrated_searchs_plan(runs):
+    """The wrong profile is corrected and the run ends on the plan the corrected profiles choose.
+
+    Whether that is the plan fit 1 chose on its own measured profile is not asserted: the two fits
+    measure this shared machine at different moments, and on 2 loaded cores the collectives' speed
+    moves by 2x between them (one run calibrated the 10x error to 0.20, not 0.10), which is enough to
+    flip a choice between plans predicted within 10% of each other. tests/search/test_calibrate.py
+    shows the convergence on fixed profiles.
+    """
     for rank in planned(runs["wrong"]):
         decision = rank["decision"]
         assert decision is not None and decision["outcome"] != "within", decision  # 10x off: far beyond 15%
         assert decision["bandwidth_scale"] < 1.0  # the collectives were found slower than the profile said
-        # the measured profile's plan, or one it predicts as fast (within 2%: these plans differ by ~1% here)
-        assert rank["last"]["chunks"] == true_plan["chunks"] or rank["last_over_true"] < 1.02, decision["reason"]
+        # the calibrated profiles predict the running plan as it was measured...
+        assert rank["calibrated_over_measured"] == pytest.approx(1.0, abs=0.15), decision["reason"]
+        # ...and the run ends on their search's winner, or on the running plan when the winner is no faster
+        assert rank["last_over_best"] <= 1.0 + 1e-6, decision["reason"]
         assert decision["switched"] == (rank["first"] != rank["last"])
 
 
