@@ -55,6 +55,13 @@ def min_plus_blocks(spare: int, fewest: int, n_public: int) -> int:
     return min(fewest + spare, max(n_public, fewest))
 
 
+def stays_gathered(cache_blocks: int, n_public: int, offloads: bool) -> bool:
+    """Whether every chunk is gathered once per step and kept ([Note: resident plans] in runtime/protocol.py):
+    every public chunk has a block of its own (``cache_blocks`` resolved to an int) and no chunk's state
+    is offloaded (an offloaded chunk is gathered at its first use, after its update on the host)."""
+    return not offloads and cache_blocks >= n_public
+
+
 def _is_int(value: Any) -> bool:
     """An integer that is not a bool (True/False are ints to Python, never to a plan)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

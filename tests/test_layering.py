@@ -30,8 +30,8 @@ def test_plan_imports_nothing_of_the_package_and_no_distributed():
     assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}
 
 
-def test_runtime_imports_only_plan_schedule_timeline_and_itself():
-    shared = ("lightning_elixir.plan", "lightning_elixir.schedule", "lightning_elixir.timeline")
+def test_runtime_imports_only_plan_schedule_timeline_units_and_itself():
+    shared = ("lightning_elixir.plan", "lightning_elixir.schedule", "lightning_elixir.timeline", "lightning_elixir.units")
     for name, mods in _package_imports((PACKAGE / "runtime").glob("*.py")).items():
         assert all(m in shared or m.startswith("lightning_elixir.runtime") for m in mods), name
 
@@ -40,6 +40,11 @@ def test_schedule_and_timeline_are_pure():
     for name in ("schedule.py", "timeline.py"):
         imports = _imports(PACKAGE / name)
         assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}, name
+
+
+def test_units_read_the_module_tree_only():
+    imports = _imports(PACKAGE / "units.py")
+    assert {m for m in imports if m.startswith(("lightning_elixir", "torch"))} == {"torch.nn"}
 
 
 def test_profile_and_search_do_not_import_runtime_or_lightning():

@@ -21,6 +21,8 @@ from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search import NoPlanFitsError, build_layout, simulate_gathers
+from lightning_elixir.search.layout import access_chunks
+from lightning_elixir.search.simulate import min_cache_blocks
 from tests.distributed import free_port, run_distributed
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -44,10 +46,13 @@ def gpt_profile():
 
 @pytest.mark.parametrize("chunk_numel", [4097, 12000])
 @pytest.mark.parametrize("blocks,prefetch", [("all", 1), ("min", 0), ("min", 1), ("min+1", 1), ("min+2", 2),
-                                                  (2, 0), (3, 1), (3, 2), (5, 2)])
+                                                  (0, 0), (1, 1), (1, 2), (3, 2)])
 def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, chunk_numel, blocks, prefetch):
+    """An int ``blocks`` is that many blocks beyond the fewest, given to the plan as an int count."""
     base, profile = gpt_profile
     layout = build_layout(profile, chunk_numel, world_size=1)
+    if isinstance(blocks, int):
+        blocks += min_cache_blocks(access_chunks(layout, profile))
     plan = ElixirPlan(chunks=layout.chunks, world_size=1, cache_blocks=blocks, prefetch_depth=prefetch)
     model = copy.deepcopy(base)
     runtime = ElixirRuntime(model, plan)

@@ -202,7 +202,7 @@ def _placed(placements: tuple[str, ...]) -> ElixirPlan:
     """The default packing of the test GPT on 2 ranks, chunk i placed at placements[i % len]."""
     specs = resolve_specs(GPTLightningModule(**MODEL), ElixirPlan(chunk_numel=4097), world_size=2)
     chunks = tuple(dataclasses.replace(s, placement=placements[i % len(placements)]) for i, s in enumerate(specs))
-    return ElixirPlan(chunks=chunks, world_size=2, cache_blocks=3)
+    return ElixirPlan(chunks=chunks, world_size=2, cache_blocks="min+1")
 
 
 def test_offloaded_plan_trains_through_the_trainer_as_the_device_plan(tmp_path):

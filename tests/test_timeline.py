@@ -12,11 +12,13 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan
-from lightning_elixir.plan import REDUCE_BUFFERS
+from lightning_elixir.plan import CACHE_MIN, REDUCE_BUFFERS
 from lightning_elixir.profile import ModelProfile, profile_model
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search import SearchOptions, build_layout, memory_breakdown
+from lightning_elixir.search.layout import access_chunks
+from lightning_elixir.search.simulate import resolve_cache_blocks
 from lightning_elixir.search.timeline import predict_timeline
 from lightning_elixir.timeline import KINDS, MemoryTimeline, TimelineError
 from tests.distributed import run_distributed
@@ -80,7 +82,10 @@ def _profile(profiles: dict[str, ModelProfile], name: str) -> ModelProfile:
 
 
 def _plan(profile: ModelProfile, chunk_numel: int, blocks, prefetch: int, world_size: int = 1) -> ElixirPlan:
+    """A plan on the search's layout; ``("min+", K)`` asks for K blocks beyond the fewest, as an int count."""
     layout = build_layout(profile, chunk_numel, world_size)
+    if isinstance(blocks, tuple):
+        blocks = resolve_cache_blocks(CACHE_MIN, access_chunks(layout, profile), len(layout.public)) + blocks[1]
     return ElixirPlan(chunks=layout.chunks, world_size=world_size, cache_blocks=blocks, prefetch_depth=prefetch)
 
 
@@ -113,13 +118,13 @@ def assert_same_runtime_bytes(predicted: MemoryTimeline, measured: MemoryTimelin
 @pytest.mark.parametrize("name,chunk_numel,blocks,prefetch", [
     ("gpt", 4096, "all", 2),  # ZeRO-2: every chunk stays gathered
     ("gpt", 4096, "min", 0),  # ZeRO-3: the fewest blocks, gather on every use
-    ("gpt", 4096, 2, 1),
+    ("gpt", 4096, ("min+", 1), 1),
     ("gpt", 8192, "min", 2),
     ("mlp", 4096, "all", 2),
     ("mlp", 4096, "min", 0),
-    ("mlp", 4096, 2, 1),
+    ("mlp", 4096, ("min+", 1), 1),
     ("gpt_checkpointed", 4096, "min", 1),  # a recomputation holds its backward's chunks too
-    ("gpt_checkpointed", 4096, 5, 2),
+    ("gpt_checkpointed", 4096, ("min+", 2), 2),
 ])
 def test_the_predicted_timeline_equals_the_measured_one(profiles, name, chunk_numel, blocks, prefetch):
     profile = _profile(profiles, name)
@@ -151,8 +156,9 @@ def test_every_rank_holds_what_was_predicted_for_it(profiles):
 
 
 def test_reductions_in_flight_bound_the_gradient_buffers(profiles):
-    """Each rank holds its gradient shards, the reductions in flight and the chunk receiving gradients,
-    never the whole model's gradient (as when every reduction was retired at the end of backward)."""
+    """Each rank holds its gradient shards and the reductions in flight, never the whole model's gradient
+    (as when every reduction was retired at the end of backward): gradients land in a chunk's buffer
+    only when its reduction starts ([Note: gradients land per chunk] in runtime/chunk.py)."""
     profile = _profile(profiles, "gpt")
     world_size = 2
     plan = _plan(profile, 4096, "min", 1, world_size=world_size)
@@ -165,13 +171,13 @@ def test_reductions_in_flight_bound_the_gradient_buffers(profiles):
     in_flight_bytes = REDUCE_BUFFERS * (full_bytes + full_bytes // world_size)
     for rank, timeline in enumerate(measured):
         assert_same_runtime_bytes(predict_timeline(profile, plan, options, rank=rank), timeline)
-        # At the peak one chunk receives gradients while REDUCE_BUFFERS reductions are in flight.
-        assert shards_bytes + in_flight_bytes < max(timeline["grads"]) <= shards_bytes + in_flight_bytes + full_bytes
+        # At the peak REDUCE_BUFFERS reductions are in flight, each with its full buffer and its shard's.
+        assert max(timeline["grads"]) == shards_bytes + in_flight_bytes
 
 
 def test_recording_waits_for_a_whole_step_and_skips_evaluation(profiles):
     profile = _profile(profiles, "gpt")
-    plan = _plan(profile, 4096, 2, 1)
+    plan = _plan(profile, 4096, ("min+", 1), 1)
     runtime = ElixirRuntime(_model("gpt"), plan)
     optimizer = shard_optimizer(runtime, torch.optim.AdamW(runtime.module.parameters(), lr=1e-3))
     _train(runtime, optimizer, "gpt", range(2), micro_batches=2)
@@ -215,16 +221,18 @@ def test_mixed_precision_with_an_offloaded_chunk_counts_device_bytes_only(profil
 def test_the_timeline_stays_within_what_the_memory_breakdown_bounds(profiles):
     profile = _profile(profiles, "gpt")
     options = SearchOptions(micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
-    for blocks in ("all", 2):
+    layout = build_layout(profile, 4096, 1)
+    for blocks in ("all", ("min+", 1)):
         plan = _plan(profile, 4096, blocks, 1)
-        layout = build_layout(profile, 4096, 1)
-        n_blocks = len(layout.public) if blocks == "all" else blocks
+        n_blocks = len(layout.public) if blocks == "all" else plan.cache_blocks
         bound = memory_breakdown(layout, profile, n_blocks, tuple(s.placement for s in layout.chunks), options)
         timeline = predict_timeline(profile, plan, options)
         held = bound.param_shard_bytes + bound.cache_bytes + bound.private_bytes
         assert max(timeline["params"]) == held  # the cache fills up...
-        if blocks == "all":
-            assert timeline["params"][0] < held  # ...one block at a time: memory is allocated as it is filled
+        if blocks == "all":  # ...at once for a plan whose every chunk stays gathered ([Note: resident plans])
+            assert set(timeline["params"]) == {held}
+        else:  # ...one block at a time otherwise: memory is allocated as it is filled
+            assert timeline["params"][0] < held
         assert max(timeline["optimizer"]) + min(timeline["grads"]) <= bound.device_state_bytes
 
 

@@ -170,7 +170,7 @@ def _forward_calls(accesses: Iterable[Access]) -> Counter:
 
 def _with_conditional(profile: ModelProfile, table: ParamTable, modules: list[str]) -> ModelProfile:
     """The profile with the parameters of value-dependent ``modules`` listed (and given private chunks)."""
-    names = tuple(dict.fromkeys(n for m in modules for n in table.direct.get(m, ())))
+    names = tuple(dict.fromkeys(n for m in modules for n in table.units.get(m, ())))
     if not names:
         return profile
     log.info("modules whose calls depend on tensor values (%s) get private chunks: every rank gathers them "

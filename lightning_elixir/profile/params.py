@@ -1,4 +1,4 @@
-"""Canonical parameter names, their owners, and the parameters each module owns directly."""
+"""Canonical parameter names, their owners, and the hook units that own them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from lightning_elixir.profile.types import ParamInfo
+from lightning_elixir.units import hook_units
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class ParamTable:
     """Qualified module name -> canonical names of the parameters in its ``_parameters``."""
     owners: dict[str, tuple[str, ...]]
     """Canonical parameter name -> qualified names of the modules that register it directly."""
+    units: dict[str, tuple[str, ...]]
+    """Hook unit (qualified module name) -> canonical names of the parameters it owns ([Note: hook units])."""
+    unit_of: dict[str, str]
+    """Canonical parameter name -> the hook unit that owns it."""
 
     @classmethod
     def from_module(cls, module: nn.Module) -> "ParamTable":
@@ -36,7 +41,9 @@ class ParamTable:
             for name in names:
                 owners[name].append(mod_name)
         infos = tuple(_param_info(name, p) for name, p in module.named_parameters())
-        return cls(infos, direct, {k: tuple(v) for k, v in owners.items()})
+        units = {unit.name: unit.params for unit in hook_units(module)}
+        unit_of = {param: unit for unit, params in units.items() for param in params}
+        return cls(infos, direct, {k: tuple(v) for k, v in owners.items()}, units, unit_of)
 
     def tied(self) -> tuple[str, ...]:
         """Parameters registered by more than one module, in registration order."""

@@ -1,19 +1,21 @@
 """Record one step's access sequence, live bytes and cost, with the hooks the runtime uses.
 
 [Note: access granularity]
-The runtime gathers parameters from two kinds of hooks, and the profile emits one Access per hook
-firing so that the two sequences line up one to one:
+The runtime gathers parameters from two kinds of hooks on every hook unit ([Note: hook units] in
+units.py), and the profile emits one Access per hook firing so that the two sequences line up
+one to one:
 
-- a forward pre-hook on every module that directly owns parameters -> a "forward" access (or
-  "recompute" when it fires during backward: activation checkpointing re-running a forward);
-- a pre-backward hook (tensor hooks on that module call's forward outputs; the first to fire
-  wins) -> a "backward" access, in the order autograd reaches that module's backward.
+- a forward pre-hook on every unit -> a "forward" access (or "recompute" when it fires during
+  backward: activation checkpointing re-running a forward), listing every parameter the unit
+  owns, in the order its operators first read them (owned parameters it did not read last);
+- a pre-backward hook (tensor hooks on that unit call's forward outputs; the first to fire
+  wins) -> a "backward" access, in the order autograd reaches that unit's backward.
 
-A parameter used outside its owner's forward (``F.linear(x, self.wte.weight)`` in a parent) is
+A parameter used outside the unit that owns it (``F.linear(x, self.wte.weight)`` in a parent) is
 seen at operator level: the operator mode knows each parameter's storage. It is listed as shared,
-added to the running module's access when that module has one, and otherwise gets an op-level
-access (``op`` set, module "module:op") that no runtime hook sees. In backward an op-level access
-is emitted when an operator first touches such a parameter outside an access that lists it.
+added to the running unit's access when a unit is running, and otherwise gets an op-level access
+(``op`` set, module "module:op") that no runtime hook sees. In backward an op-level access is
+emitted when an operator first touches such a parameter outside an access that lists it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class StepTracer:
     @contextlib.contextmanager
     def attached(self, module: nn.Module, params: dict[str, nn.Parameter]) -> Iterator[None]:
         """Hook ``module`` and the (fake) ``params`` it runs with, keyed by canonical name."""
-        handles = [self._hook_module(name, mod) for name, mod in module.named_modules()]
+        handles = [self._hook_module(name, module.get_submodule(name)) for name in self.table.units]
         handles = [h for pair in handles for h in pair]
         for name, param in params.items():
             self._param_keys[param.untyped_storage()._cdata] = name
@@ -160,19 +162,17 @@ class StepTracer:
         return pre, post
 
     def _pre_forward(self, name: str, _module: nn.Module, _args: tuple) -> None:
-        """A module's forward starts: a forward (or recompute) access if it owns parameters."""
-        params = self.table.direct.get(name, ())
-        record = _Record(self._forward_phase(), name, list(params)) if params else None
-        if record is not None:
-            self._start(record)
+        """A unit's forward starts: a forward (or recompute) access; its parameters join as they are read."""
+        record = _Record(self._forward_phase(), name, [])
+        self._start(record)
         self._stack.append(_Call(name, record))
 
     def _post_forward(self, name: str, _module: nn.Module, _args: tuple, output: object) -> None:
-        """A module's forward ends: hook its outputs for the pre-backward access."""
+        """A unit's forward ends: list the parameters it owns but did not read; hook its outputs."""
         call = self._stack.pop()
         assert call.module == name, f"module stack out of order: {call.module} != {name}"
-        if call.record is None:
-            return
+        assert call.record is not None
+        call.record.params.extend(p for p in self.table.units[name] if p not in call.record.params)
         self._hook_pre_backward(tensors_in(output), partial(self._backward_record, call.record))
 
     def _hook_pre_backward(self, outputs: list[torch.Tensor], make: Callable[[], _Record]) -> None:
@@ -199,7 +199,7 @@ class StepTracer:
         for name in used:
             if name in listed:
                 continue
-            if call.module not in self.table.owners[name]:
+            if self.table.unit_of.get(name) != call.module or name in self.shared:
                 self.shared.add(name)
             self._attribute(call, name, op)
 

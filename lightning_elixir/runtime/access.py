@@ -1,9 +1,11 @@
 """Reads of parameters and gradients that the module hooks do not cover.
 
 [Note: reading outside the hooks]
-``ChunkedParameter`` (params.py) reports every value read of a parameter. A read is served at
-once when the hooks already hold the chunk: the owning module is running, or it is a private
-chunk inside the step, or autograd is running a backward that uses it. Otherwise what happens
+``ChunkedParameter`` (params.py) reports every value read of a parameter; while the hook unit that
+owns a parameter runs forward, the parameter is a plain ``nn.Parameter`` and its reads cost
+nothing ([Note: host cost] in protocol.py). A reported read is served at once when the hooks
+already hold the chunk: the owning unit is running, or it is a private chunk inside the step, or
+autograd is running a backward that uses it. Otherwise what happens
 depends on where the read is:
 
 - In the step (between ``begin_iteration`` and the end of backward, inside a forward, or inside
@@ -27,17 +29,16 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from lightning_elixir.runtime.cache import ChunkCache
 from lightning_elixir.runtime.chunk import Chunk
-from lightning_elixir.runtime.hooks import in_backward
+from lightning_elixir.runtime.grads import GradientFlow
 from lightning_elixir.runtime.states import ChunkState
-
-if TYPE_CHECKING:
-    from lightning_elixir.runtime.runtime import ElixirRuntime
+from lightning_elixir.runtime.table import ChunkTable
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ def _called_from_module_zero_grad() -> bool:
 _ZERO_GRAD_CODE = nn.Module.zero_grad.__code__
 
 
+def in_backward() -> bool:
+    """Whether autograd is executing a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class OutsideStepError(RuntimeError):
     """A sharded parameter or gradient was read where the ranks cannot gather it together."""
 
@@ -73,10 +79,10 @@ class _Region:
 
 
 class AccessGuard:
-    """Serves the reads of [Note: reading outside the hooks] for one runtime."""
+    """Serves the reads of [Note: reading outside the hooks] for one runtime's chunks."""
 
-    def __init__(self, runtime: "ElixirRuntime") -> None:
-        self.runtime = runtime
+    def __init__(self, table: ChunkTable, cache: ChunkCache, grads: GradientFlow) -> None:
+        self.table, self.cache, self.grads = table, cache, grads
         self.stepping = 0
         """Open step regions (the strategy's training/validation/... step)."""
         self.forward_depth = 0
@@ -100,9 +106,9 @@ class AccessGuard:
 
     def on_param_read(self, param: nn.Parameter) -> bool:
         """Make ``param``'s values real for a read; True when it was read outside the hooks."""
-        chunk, slot = self.runtime.where(param)
+        chunk, slot = self.table.where(param)
         if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
-            owner = self.runtime.owner(param)
+            owner = self.table.owner(param)
             if (owner is not None and owner.active) or in_backward() or (chunk.private and self.in_region()):
                 return False
         if not self.in_region():
@@ -118,12 +124,12 @@ class AccessGuard:
             raw = param.grad
         if raw is not None or in_backward() or not param.requires_grad:
             return raw
-        chunk, slot = self.runtime.where(param)
-        if not self.runtime.grad_valid(chunk):
+        chunk, slot = self.table.where(param)
+        if not self.grads.valid(chunk):
             return None
         if not self.in_region():
             if _called_from_module_zero_grad():  # Lightning zeroes before validation; the reads only test for None
-                self.runtime.forget_grad(param)
+                self.grads.forget_grad(param)
                 return None
             raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
                                    f"(reduce-scattered into shards); {_HOW}")
@@ -135,15 +141,17 @@ class AccessGuard:
     def _hold(self, chunk: Chunk, name: str) -> None:
         """Gather ``chunk`` if needed and keep it until the region or step lets go."""
         if chunk.private:
+            if chunk.state is ChunkState.GATHERING:
+                chunk.finish_gather()
             if chunk.state is ChunkState.FREE:
-                self.runtime.gather_private(chunk)
+                self.table.gather_private(chunk)
                 if self._region is not None:
                     self._region.private.append(chunk)
             return
         held = self._region.public if self._region is not None else self.sticky
         if chunk.index in held:
             return
-        self.runtime.acquire_outside_hooks(chunk.index)
+        self.cache.acquire_extra(chunk.index)
         held.append(chunk.index)
         if self._region is None and name not in self._warned:
             self._warned.add(name)
@@ -156,13 +164,13 @@ class AccessGuard:
     def release_sticky(self) -> None:
         """End of backward or of the iteration: unpin what reads outside the hooks held."""
         if self.sticky:
-            self.runtime.cache.release_pins(tuple(self.sticky))
+            self.cache.release_pins(tuple(self.sticky))
             self.sticky = []
 
     def flush_grads(self) -> None:
         """Keep in-place changes to gathered gradients in the shards, and drop the gathered copies."""
         for index, full in self.full_grads.items():
-            self.runtime.chunks[index].write_back_grad(full)
+            self.table.chunks[index].write_back_grad(full)
         self.full_grads = {}
 
     def drop_grads(self) -> None:
@@ -207,11 +215,11 @@ class AccessGuard:
 
     def _let_go(self, region: _Region) -> None:
         for index in region.public:
-            chunk = self.runtime.chunks[index]
+            chunk = self.table.chunks[index]
             if chunk.exposed:
                 chunk.write_back()
-        self.runtime.cache.release_pins(tuple(region.public))
+        self.cache.release_pins(tuple(region.public))
         for chunk in region.private:
             if chunk.state is ChunkState.HOLD:
                 chunk.release()
-        self.runtime.cache.shrink()
+        self.cache.shrink()

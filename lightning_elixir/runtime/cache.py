@@ -183,6 +183,23 @@ class ChunkCache:
         return self._order.upcoming(self._cursor, self.prefetch_depth,
                                     lambda c: self.chunks[c].state is ChunkState.FREE)
 
+    # ---- resident plans ([Note: resident plans] in protocol.py) -------------------------------
+
+    def gather_all(self) -> None:
+        """Start gathering every public chunk that is not gathered; each is waited for at its first use."""
+        for chunk in self.chunks.values():
+            if chunk.state is ChunkState.FREE:
+                self._gather(chunk, async_op=True)
+
+    def regather_all(self) -> None:
+        """Start gathering fresh shards into every gathered block (after the optimizer step)."""
+        for chunk in self.chunks.values():
+            if chunk.state is ChunkState.GATHERING:  # never used since its last gather
+                chunk.finish_gather()
+            if chunk.state is ChunkState.HOLD:
+                chunk.regather()
+                self.gathers += 1
+
     # ---- step boundary ----------------------------------------------------------------------
 
     def invalidate(self) -> None:

@@ -10,6 +10,14 @@ pre-backward re-gather it reads the right values even though the chunk was relea
 While released, a parameter is a zero-stride expansion of one NaN of the right shape: ``shape``,
 ``dim()`` and ``numel()`` stay true (``configure_optimizers`` commonly groups by ``p.dim()``), a
 read outside the hooks yields NaN rather than freed memory, and an in-place write raises.
+
+[Note: a world of one]
+With one rank a chunk's shard is the whole chunk, so gathering it into a block of its own only
+copies it. Where the plan keeps every chunk gathered ([Note: resident plans] in protocol.py),
+``shard`` *is* ``full`` (``Chunk.aliased``): a gather binds the views, a release unbinds them and
+frees nothing, and the optimizer's update of a master that is the shard (fp32) writes the
+parameters the model computes with, as in a plain training loop. (A plan that evicts keeps the
+two apart, so that it holds what its cache size says at one rank as at many.)
 """
 
 from __future__ import annotations
@@ -51,9 +59,10 @@ class Chunk:
 
     def __init__(self, index: int, spec: ChunkSpec, slots: list[Slot], group: Group, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 state_device: Optional[torch.device] = None, pin_memory: bool = False) -> None:
+                 state_device: Optional[torch.device] = None, pin_memory: bool = False, aliased: bool = False) -> None:
         """``state_device``: where the master and gradient shards live (default ``device``); an offloaded
-        chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own."""
+        chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own.
+        ``aliased``: the shard is the gathered block (one rank, a chunk that stays gathered)."""
         self.index = index
         self.spec = spec
         self.clock = PhaseClock()
@@ -67,6 +76,8 @@ class Chunk:
         self.shard_begin = group.rank * self.shard_numel
         self.reduce_dtype = reduce_dtype
         self.state = ChunkState.HOLD  # born gathered: views are made while the storage exists
+        self.bound = False
+        """Whether the parameters' ``.data`` are their views of the block (else placeholders)."""
         self.pins = 0
         self.exposed = False
         """Code outside the hooks got hold of the gathered values and may write to them."""
@@ -76,7 +87,10 @@ class Chunk:
         self.full = torch.zeros(self.numel, dtype=compute_dtype, device=device)
         for slot in slots:
             slot.view = self.full[slot.offset:slot.end].view(slot.shape)
-        self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+        assert not aliased or group.world_size == 1, "only one rank's shard can be the whole chunk"
+        self.aliased = aliased
+        """The shard is the gathered block itself ([Note: a world of one])."""
+        self.shard = self.full if self.aliased else torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
         state_device = device if state_device is None else state_device
         self.offloaded = spec.placement != "device"
         same = master_dtype == compute_dtype and not self.offloaded
@@ -95,6 +109,11 @@ class Chunk:
     @property
     def full_bytes(self) -> int:
         return self.numel * self.full.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Device bytes a gathered copy holds beyond the shard (none when the shard is the chunk)."""
+        return 0 if self.aliased else self.full_bytes
 
     def _move(self, new: ChunkState) -> None:
         check_transition(self.index, self.state, new)
@@ -118,7 +137,19 @@ class Chunk:
         """FREE -> GATHERING: allocate the block and all-gather the shards into it."""
         self.settle()
         self._move(ChunkState.GATHERING)
+        if self.aliased:
+            return
         self.full.untyped_storage().resize_(self.full_bytes)
+        self._all_gather(async_op)
+
+    def regather(self) -> None:
+        """HOLD -> GATHERING: all-gather fresh shards into the block the views already point at (a chunk
+        that stays gathered across steps, [Note: resident plans] in runtime/protocol.py)."""
+        self._move(ChunkState.GATHERING)
+        if not self.aliased:
+            self._all_gather(async_op=True)
+
+    def _all_gather(self, async_op: bool) -> None:
         if async_op:
             self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=True,
                                                         chunk=self.index)
@@ -133,7 +164,8 @@ class Chunk:
                 self._gather_work.wait()
             self._gather_work = None
         self._move(ChunkState.HOLD)
-        self.bind_views()
+        if not self.bound:
+            self.bind_views()
 
     def pin(self) -> None:
         """Mark one more running module as computing with this chunk."""
@@ -155,12 +187,15 @@ class Chunk:
             self.write_back()
         for slot, placeholder in zip(self.slots, self._placeholders):
             slot.param.data = placeholder
-        self.full.untyped_storage().resize_(0)
+        self.bound = False
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
 
     def bind_views(self) -> None:
         """Point each parameter's data at its view of the gathered block."""
         for slot in self.slots:
             slot.param.data = slot.view
+        self.bound = True
 
     def write_back(self) -> None:
         """Copy values written to this rank's part of the gathered block into the master shard.
@@ -170,18 +205,24 @@ class Chunk:
         ``gathered_params()``) writes to the gathered block, which the next gather overwrites.
         Every rank runs the same code, so each one compares its own part of the block with its
         compute-dtype shard and copies only the elements that changed into the master: the fp32
-        master keeps its precision wherever nothing was written.
+        master keeps its precision wherever nothing was written. Where the shard is the block
+        ([Note: a world of one]) the writes are in the shard already; the master, if it is not the
+        shard itself, is compared in the compute dtype instead.
         """
         self.exposed = False
         own = self.full[self.shard_begin:self.shard_begin + self.shard_numel]
-        changed = own.ne(self.shard)
+        if self.aliased and self.master is self.shard:
+            return  # the writes went to the master itself
+        self.settle()
+        reference = self.master.to(own.device, own.dtype) if self.aliased else self.shard
+        changed = own.ne(reference)
         if not bool(changed.any()):
             return
         if self.master is not self.shard:
-            self.settle()
             kept = self.master.to(own.device)
             self.master.copy_(torch.where(changed, own.to(self.master.dtype), kept))
-        self.shard.copy_(own)
+        if not self.aliased:
+            self.shard.copy_(own)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new chunk-sized tensor gathered from every rank's ``shard`` (master, gradient, optimizer state)."""
@@ -212,15 +253,16 @@ class Chunk:
 
     def track_trainable(self) -> None:
         """Take the parameters' ``requires_grad`` as it is now (at construction, or after it changed)."""
-        self.grad_requiring = {id(s.param) for s in self.slots if s.param.requires_grad}
-        self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.slots if s.param.requires_grad])
+        self.trainable_slots = [s for s in self.slots if s.param.requires_grad]
+        self.grad_requiring = {id(s.param) for s in self.trainable_slots}
+        self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
         self.reset_grad_tracking()
 
     def reset_grad_tracking(self) -> None:
         """Start a new backward: no gradients have arrived yet."""
         self.pending_grads = set(self.grad_requiring)
         self.grad_full: Optional[torch.Tensor] = None
-        self._reduce: Optional[tuple[Any, torch.Tensor]] = None
+        self._reduce: Optional[tuple[Any, Optional[torch.Tensor]]] = None
         self._received: Optional[torch.Tensor] = None
         """On the CPU, where the peers' parts of the reduction in flight arrive (a reused buffer)."""
 
@@ -228,15 +270,39 @@ class Chunk:
     def grads_complete(self) -> bool:
         return not self.pending_grads
 
-    def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        """Write one parameter's gradient, pre-divided by the world size, into the full buffer."""
-        if self.grad_full is None:
-            self.grad_full = self._new_grad_buffer()
-        if grad.layout != torch.strided:  # e.g. nn.Embedding(sparse=True): the chunk holds it densely
-            grad = grad.to_dense()
-        # One pass that both copies and averages (DDP divides its buckets before the all-reduce too).
-        torch.div(grad.reshape(-1), self.group.world_size, out=self.grad_full[slot.offset:slot.end])
-        self.pending_grads.discard(id(slot.param))
+    def take_grads(self) -> list[tuple[Slot, torch.Tensor]]:
+        """The gradients autograd accumulated into the trainable parameters' ``.grad``, which go back to None.
+
+        [Note: gradients land per chunk]
+        Autograd accumulates each parameter's gradient into its ``.grad`` in C++; the runtime's hook
+        per parameter only counts arrivals. When a chunk's reduction starts, all its gradients move
+        into the reduction's buffer in one multi-tensor copy, averaged over the ranks as DDP's
+        buckets are: one Python call per chunk where there was one operator per parameter.
+        """
+        taken = []
+        with torch._C.DisableTorchFunctionSubclass():  # the parameters may be ChunkedParameters
+            for slot in self.trainable_slots:
+                grad = slot.param.grad
+                if grad is not None:
+                    slot.param.grad = None
+                    taken.append((slot, grad.to_dense() if grad.layout != torch.strided else grad))
+        return taken
+
+    def _fill(self, target: torch.Tensor, grads: list[tuple[Slot, torch.Tensor]], accumulate: bool) -> None:
+        """Write (or add) ``grads`` into their slots of a chunk-sized ``target``; zero the trained slots
+        that got none when overwriting (a trainable parameter unused this time: a zero gradient)."""
+        views = [target[slot.offset:slot.end].view(slot.shape) for slot, _ in grads]
+        with torch.no_grad():  # create_graph: the gradients carry a graph; the chunk's copy does not
+            values = [g.to(target.device) for _, g in grads]
+            if accumulate and views:
+                torch._foreach_add_(views, values)
+            elif not accumulate:
+                if views:
+                    torch._foreach_copy_(views, values)
+                got = {id(slot.param) for slot, _ in grads}
+                for slot in self.trainable_slots:
+                    if id(slot.param) not in got:
+                        target[slot.offset:slot.end].zero_()
 
     def _new_grad_buffer(self) -> torch.Tensor:
         """An uninitialised buffer whose gaps (padding, frozen parameters) are zero."""
@@ -246,17 +312,22 @@ class Chunk:
         return buf
 
     def start_reduce(self, copy_stream: Any = None, accumulate: bool = False) -> None:
-        """Sum the (pre-averaged) full gradient over ranks into this rank's shard (async).
+        """Sum the gradients over ranks, averaged, into this rank's shard (async).
 
-        With a ``copy_stream`` (an offloaded chunk on a GPU) the reduced shard also starts its way to
-        the host gradient shard at once, overlapping the rest of backward ([Note: landing gradients
-        on the host]).
+        Where the shard is the chunk and lives on the device ([Note: a world of one]) the gradients
+        go straight into it: there is nothing to sum. With a ``copy_stream`` (an offloaded chunk on a
+        GPU) the reduced shard also starts its way to the host gradient shard at once, overlapping the
+        rest of backward ([Note: landing gradients on the host]).
         """
-        if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
-            self.grad_full = self._new_grad_buffer()
-        for slot in self.slots:  # trainable parameters unused this time: a zero gradient
-            if id(slot.param) in self.pending_grads:
-                self.grad_full[slot.offset:slot.end].zero_()
+        grads = self.take_grads()
+        if self.aliased and not self.offloaded:
+            self._fill(self.grad_shard, grads, accumulate)
+            self._reduce = (_DONE, None)
+            return
+        self.grad_full = self._new_grad_buffer()
+        self._fill(self.grad_full, grads, accumulate=False)
+        if self.group.world_size > 1:  # averaged before the sum, as DDP divides its buckets
+            self.grad_full.div_(self.group.world_size)
         received = None
         if self.full.device.type == "cpu":  # summed in place ([Note: reduce-scatter on gloo]): read this rank's part
             out = self.grad_full[self.shard_begin:self.shard_begin + self.shard_numel]
@@ -297,6 +368,9 @@ class Chunk:
         """Wait for the reduce-scatter and write (or add) the result into the gradient shard."""
         assert self._reduce is not None, f"chunk {self.index}: finish_reduce without start_reduce"
         work, out = self._reduce
+        if work is _DONE:  # landed in the shard when it started
+            self._reduce = None
+            return
         with self.clock.timing("reduce_wait"):
             work.wait()
         self.settle()  # an offloaded update may still read the previous step's gradient
@@ -314,7 +388,8 @@ class Chunk:
 
     @property
     def reduce_started(self) -> bool:
-        return self._reduce is not None
+        """Whether a reduce-scatter's output is in flight (not for gradients that landed in the shard)."""
+        return self._reduce is not None and self._reduce[0] is not _DONE
 
     # ---- shards -----------------------------------------------------------------------------
 
@@ -365,6 +440,10 @@ class GradBuffers:
 
     def clear(self) -> None:
         self._free.clear()
+
+
+_DONE = object()
+"""The work handle of a reduction that had nothing to wait for."""
 
 
 @dataclass

@@ -58,7 +58,7 @@ collectives by order, not by content) and each rank computes with a chunk made o
 different chunks. Nothing fails, and the values are wrong. So each group keeps one fingerprint of
 the chunks it has all-gathered and one of the chunks it has reduce-scattered, in order, and
 ``agreed_max`` compares them across ranks inside an all-reduce that happens anyway: the one that
-decides which parameters no rank used, before every optimizer step (runtime/trainable.py). A
+decides which parameters no rank used, before every optimizer step (runtime/grads.py). A
 mismatch raises ``RankDivergenceError`` before the update is applied. Forward-only loops
 (validation, test, prediction) have no such all-reduce; the strategy checks once at the end of each.
 """
@@ -75,7 +75,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
+
+from lightning_elixir.runtime.hotpath import label
 
 DEFAULT_TIMEOUT_S = 600.0
 """How long one collective may take before the ranks are taken to have diverged ([Note: bounded waits])."""
@@ -254,7 +255,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
 
     ``chunk``: the index of the chunk gathered, named in errors.
     """
-    with record_function("Elixir::all_gather"):
+    with label("Elixir::all_gather"):
         if group.world_size == 1:
             out.copy_(shard)
             return _Done() if async_op else None
@@ -269,7 +270,7 @@ def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Gro
 
     Point to point, so that only rank 0 holds the gathered tensor: gloo's gather and all-gather
     first gather into a flat buffer of their own (a second full copy on every receiving rank)."""
-    with record_function("Elixir::gather"):
+    with label("Elixir::gather"):
         if group.world_size == 1:
             if shard.data_ptr() != out.data_ptr():
                 out.copy_(shard)
@@ -296,7 +297,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
     the peers' parts arrive in ``received`` (``(world_size - 1) * out.numel()`` elements of
     ``full``'s dtype; None: a new buffer), which the caller keeps until the reduction is waited for.
     """
-    with record_function("Elixir::reduce_scatter"):
+    with label("Elixir::reduce_scatter"):
         if group.world_size == 1:
             out.copy_(full)
             return _Done() if async_op else None

@@ -108,8 +108,11 @@ def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]],
 
 
 def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, device: torch.device,
-                 policy: PrecisionPolicy, full_precision: Iterable[str] = (), values: bool = True) -> list[Chunk]:
+                 policy: PrecisionPolicy, full_precision: Iterable[str] = (), values: bool = True,
+                 aliased: bool = False) -> list[Chunk]:
     """Create every chunk, materialise and shard its parameters, and leave it released.
+
+    ``aliased``: the chunks' shards are their gathered blocks ([Note: a world of one] in chunk.py).
 
     A chunk holding a parameter named in ``full_precision`` computes in the master dtype. With
     ``values=False`` the parameters' values are neither read nor initialised: the chunks start at
@@ -128,7 +131,7 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         reduce = torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype
         state_device = device if spec.placement == "device" else torch.device("cpu")
         chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
-                            state_device=state_device, pin_memory=device.type == "cuda"))
+                            state_device=state_device, pin_memory=device.type == "cuda", aliased=aliased))
     if values:
         _materialize(module, chunks, group, policy.master_dtype)
     else:

@@ -41,11 +41,11 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd.profiler import record_function
 from torch.optim import Optimizer
 
 from lightning_elixir.plan import ChunkSpec, PlanError
 from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.hotpath import label
 from lightning_elixir.runtime.nvme import NvmeStore, Page
 from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
 from lightning_elixir.runtime.state_dict import is_per_element, per_element_nbytes
@@ -221,7 +221,7 @@ class OffloadEngine:
     def _update(self, job: _Job, read: Optional[Future]) -> None:
         chunk = job.chunk
         start = time.perf_counter()
-        with record_function("Elixir::offloaded_update"):
+        with label("Elixir::offloaded_update"):
             page = read.result() if read is not None else None
             fields = self._bind(chunk, page, state=True) if page is not None else None
             job.shadow.step(job.hypers, job.grads)

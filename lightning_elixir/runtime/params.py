@@ -20,10 +20,13 @@ Teardown turns them back into plain ``nn.Parameter`` objects.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from lightning_elixir.runtime.hotpath import eager
 
 _METADATA = frozenset({
     # attributes
@@ -63,6 +66,7 @@ class ChunkedParameter(nn.Parameter):
     _elixir_grad: Callable[["ChunkedParameter"], Any]
 
     @classmethod
+    @eager  # [Note: compiled models] in hotpath.py
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _kind(func)
@@ -112,6 +116,17 @@ def chunk_parameter(param: nn.Parameter, on_read: Callable, on_grad: Callable) -
     param.__class__ = ChunkedParameter
     param._elixir_read = on_read
     param._elixir_grad = on_grad
+
+
+def check_reads(params: Iterable[nn.Parameter], checked: bool) -> None:
+    """Make ``params`` report their reads (``ChunkedParameter``) or not (plain ``nn.Parameter``).
+
+    A unit's parameters are plain while its forward runs, so that its operators dispatch with no
+    Python in between ([Note: host cost] in protocol.py); the class is all that changes.
+    """
+    cls = ChunkedParameter if checked else nn.Parameter
+    for param in params:
+        param.__class__ = cls
 
 
 def unchunk_parameter(param: nn.Parameter) -> None:

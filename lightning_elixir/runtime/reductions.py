@@ -40,7 +40,7 @@ class Reductions:
         """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
         self.seen: set[int] = set()
         """ids of the parameters that got a gradient on this rank since their shard was last overwritten
-        ([Note: unused parameters] in trainable.py)."""
+        ([Note: unused parameters] in grads.py)."""
         self.reorder()
         self._next_start = 0
         """The next chunk in ``order`` to reduce in this backward."""
@@ -75,7 +75,7 @@ class Reductions:
         """Start the next reduction; retire the oldest beyond ``REDUCE_BUFFERS`` in flight."""
         chunk = self.order[self._next_start]
         stream = self.offload.copy_stream if chunk.offloaded else None
-        chunk.start_reduce(stream, accumulate=stream is not None and self._accumulates(chunk))
+        chunk.start_reduce(stream, accumulate=self._accumulates(chunk))
         self._next_start += 1
         while self._next_start - self._next_retire > REDUCE_BUFFERS:
             self._retire()

@@ -10,33 +10,47 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
-from torch.autograd.profiler import record_function
 
-from lightning_elixir.plan import CACHE_ALL, ElixirPlan, min_plus_blocks, spare_blocks
-from lightning_elixir.runtime import hooks
+from lightning_elixir.plan import CACHE_ALL, ChunkSpec, ElixirPlan, min_plus_blocks, spare_blocks, stays_gathered
+from lightning_elixir.runtime import layout
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
 from lightning_elixir.runtime.chunk import Chunk, GradBuffers, Slot
 from lightning_elixir.runtime.collectives import Group
-from lightning_elixir.runtime.hooks import BackwardCall, ModuleState, WaitKey, in_backward
-from lightning_elixir.runtime import layout
+from lightning_elixir.runtime.grads import GradientFlow
 from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, resolve_specs
 from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_given
-from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.params import chunk_parameter, unchunk_parameter
+from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.policy import PrecisionPolicy
-from lightning_elixir.runtime.reductions import Reductions
+from lightning_elixir.runtime.protocol import StepProtocol
 from lightning_elixir.runtime.state_dict import per_element_nbytes
 from lightning_elixir.runtime.states import ChunkState
+from lightning_elixir.runtime.table import ChunkTable, UnitState
 from lightning_elixir.runtime.timeline import TimelineRecorder
-from lightning_elixir.runtime.trainable import Trainable, settle_unused
+from lightning_elixir.units import hook_units, most_public_chunks
 
 log = logging.getLogger(__name__)
 
 
+def _cache_blocks(plan: ElixirPlan, specs: tuple[ChunkSpec, ...], module: nn.Module) -> int:
+    """The blocks of ``plan.cache_blocks`` for ``specs``: "all" one per public chunk, "min+K" the most public
+    chunks one hook unit needs plus K, an int as it is; never more than one per public chunk."""
+    n_public = max(sum(not spec.private for spec in specs), 1)
+    spare = spare_blocks(plan.cache_blocks)
+    if plan.cache_blocks == CACHE_ALL:
+        return n_public
+    if spare is None:
+        return min(int(plan.cache_blocks), n_public)
+    chunk_of = {name: i for i, spec in enumerate(specs) for name in spec.params}
+    private = {i for i, spec in enumerate(specs) if spec.private}
+    return min_plus_blocks(spare, most_public_chunks(hook_units(module), chunk_of, private), n_public)
+
+
 class ElixirRuntime:
     """Shards ``module``'s parameters into chunks and runs forward/backward through hooks.
+
+    The layers it composes are pictured in [Note: the step protocol] (protocol.py).
 
     Args:
         module: the model (a LightningModule or any nn.Module); its parameters become chunk views.
@@ -74,55 +88,41 @@ class ElixirRuntime:
         self.private_params = tuple(private_params)
         specs = resolve_specs(module, self.plan, self.group.world_size, self.private_params, full_precision)
         check_nvme_path_given(specs, nvme_path)  # before any work
+        capacity = _cache_blocks(self.plan, specs, module)
+        n_public = sum(not spec.private for spec in specs)
+        self.resident = stays_gathered(capacity, n_public, offloads=any(s.placement != "device" for s in specs))
+        """Whether every chunk stays gathered ([Note: resident plans] in protocol.py)."""
         materialize_buffers(module, self.device)
-        self.chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values)
+        chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values,
+                              aliased=self.resident and self.group.world_size == 1)
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
         self.grad_buffers = GradBuffers()
         """Full-size gradient buffers reused on the CPU ([Note: reused gradient buffers] in chunk.py)."""
-        for chunk in self.chunks:
+        for chunk in chunks:
             chunk.clock = self.clock
             chunk.grad_buffers = self.grad_buffers
-        self.offload = OffloadEngine(self.chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
-        self._buffers = [b for b in module.buffers()]
+        self.offload = OffloadEngine(chunks, self.device, self.group.rank, nvme_path, nvme_buffers)
+        self.table = ChunkTable(chunks)
         if values:  # re-chunking keeps each rank's buffers as they are
-            layout.broadcast_buffers(self._buffers, self.group)
-        self.broadcast_buffers = broadcast_buffers
-        self._sync_buffers_next = broadcast_buffers
-        self.public = [c for c in self.chunks if not c.private]
-        self.private = [c for c in self.chunks if c.private]
-        self._where: dict[int, tuple[Chunk, Slot]] = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
-        self.handles: list[Any] = []
-        spare = spare_blocks(self.plan.cache_blocks)  # "min" or "min+K": the fewest blocks (+ K), grown as needed
-        self.cache = ChunkCache(self.public, self._capacity(), grow_cache or spare is not None, self.plan.prefetch_depth)
-        self.access = AccessGuard(self)
-        self.trainable = Trainable(self)  # before the hooks: their backward waits are its trainable parameters
-        self.states = hooks.install(self, module)
-        if spare is not None:
-            fewest = max([len(s.public_ids) for s in self.states] + [1])
-            self.cache.capacity = min_plus_blocks(spare, fewest, len(self.public))
-        self._owner = {pid: s for s in reversed(self.states) for pid in s.param_ids}  # the first holder wins
-        self._callback_queued = False
-        self._recompute_pins: list[tuple[int, ...]] = []
-        self._creating_graph = False
-        """Whether the backward running now was asked for ``create_graph``."""
-        self._graph_pins: list[tuple[int, ...]] = []
-        """Chunks pinned for a later backward through a graph this one builds (see _release_graph_pins)."""
-        self._views: dict[int, nn.Parameter] = {}
-        self.optimizers: list[Any] = []
-        """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
-        self.reductions = Reductions(self.chunks, self.offload, self._chunk_views)
-        for chunk in self.chunks:
+            layout.broadcast_buffers(list(module.buffers()), self.group)
+        grow = grow_cache or spare_blocks(self.plan.cache_blocks) is not None  # "min", "min+K": grown as needed
+        self.cache = ChunkCache(self.table.public, capacity, grow, self.plan.prefetch_depth)
+        self.grads = GradientFlow(self.table, self.offload)
+        self.access = AccessGuard(self.table, self.cache, self.grads)
+        self.protocol = StepProtocol(module, self.table, self.cache, self.access, self.grads, self.group,
+                                     broadcast_buffers)
+        self.protocol.install(self.resident)
+        for chunk in chunks:
             for slot in chunk.slots:
                 chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
+        self.optimizers: list[Any] = []
+        """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
         self.scaler: Any = None
-        self.private_gathers = 0
-        self.micro_batches = 0
         self.steps = 0
         self.skipped_steps = 0
-        self._iterations_in_step = 0
-        self.timeline_recorder: Optional[TimelineRecorder] = None
-        """Records the memory timeline of one step when set (``record_timeline``)."""
+
+    # ---- the layers' state, as callers read it --------------------------------------------------
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -132,255 +132,139 @@ class ElixirRuntime:
     def master_dtype(self) -> torch.dtype:
         return self.policy.master_dtype
 
-    # ---- layout queries ---------------------------------------------------------------------
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.table.chunks
 
-    def _capacity(self) -> Optional[int]:
-        blocks = self.plan.cache_blocks
-        if blocks == CACHE_ALL or spare_blocks(blocks) is not None:
-            return None
-        return min(int(blocks), max(len(self.public), 1))
+    @property
+    def public(self) -> list[Chunk]:
+        return self.table.public
+
+    @property
+    def private(self) -> list[Chunk]:
+        return self.table.private
+
+    @property
+    def units(self) -> list[UnitState]:
+        """The hook units ([Note: hook units] in units.py) with their bookkeeping."""
+        return self.table.units
+
+    @property
+    def trainable(self) -> Any:
+        return self.protocol.trainable
+
+    @property
+    def hyperparameters_differ(self) -> bool:
+        """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
+        return self.grads.hyperparameters_differ
+
+    @property
+    def private_gathers(self) -> int:
+        return self.table.private_gathers
+
+    @property
+    def micro_batches(self) -> int:
+        return self.protocol.micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        self.protocol.micro_batches = value
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.protocol.broadcast_buffers
+
+    @property
+    def timeline_recorder(self) -> Optional[TimelineRecorder]:
+        """Records the memory timeline of one step when set (``record_timeline``)."""
+        return self.protocol.recorder
 
     def public_chunk_ids(self, params: Iterable[nn.Parameter]) -> tuple[int, ...]:
         """The public chunks holding ``params``, in chunk order."""
-        ids = {self._where[id(p)][0].index for p in params if not self._where[id(p)][0].private}
-        return tuple(sorted(ids))
+        return self.table.public_chunk_ids(params)
 
     def is_public(self, param: nn.Parameter) -> bool:
-        return not self._where[id(param)][0].private
+        return self.table.is_public(param)
 
     def where(self, param: nn.Parameter) -> tuple[Chunk, Slot]:
         """The chunk and slot of one of the module's parameters."""
-        return self._where[id(param)]
+        return self.table.where(param)
 
-    def owner(self, param: nn.Parameter) -> Optional[ModuleState]:
-        """The state of the module that holds ``param`` directly (the first, for tied ones)."""
-        return self._owner.get(id(param))
+    def owner(self, param: nn.Parameter) -> Optional[UnitState]:
+        """The hook unit that owns ``param``."""
+        return self.table.owner(param)
 
     def grad_valid(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s gradient shard holds this step's reduced gradient."""
-        return self.reductions.valid[chunk.index]
+        return self.grads.valid(chunk)
 
     def param_ids(self) -> set[int]:
         """ids of every parameter the chunks hold."""
-        return set(self._where)
+        return self.table.param_ids()
 
     def view_index(self) -> dict[int, tuple[Chunk, Slot]]:
         """For each optimizer shard view (by id), the chunk and slot of its parameter."""
-        return {id(view): self._where[pid] for pid, view in self._views.items()}
+        return self.table.view_index()
 
     def trainable_params(self) -> list[nn.Parameter]:
-        return [s.param for c in self.chunks for s in c.slots if s.param.requires_grad]
+        return [p for p in self.table.parameters() if p.requires_grad]
 
-    # ---- iteration and module hooks -----------------------------------------------------------
+    # ---- iterations -----------------------------------------------------------------------------
 
     def root_pre_forward(self) -> None:
-        """The root module's forward starts; outside a strategy step it begins an iteration."""
-        self.access.forward_depth += 1
-        if self.access.forward_depth == 1 and not self.access.stepping:
-            self.begin_iteration()
+        self.protocol.root_pre_forward()
 
     def root_post_forward(self) -> None:
-        self.access.forward_depth -= 1
+        self.protocol.root_post_forward()
 
     def begin_iteration(self) -> None:
-        """A forward pass starts: replay the recorded order, gather the private chunks, sync buffers."""
-        if in_backward():
-            return
-        if not torch.is_grad_enabled() and not self._callback_queued:
-            self.end_iteration()  # a no-grad iteration holds nothing past its own end
-        training = torch.is_grad_enabled()
-        if training:
-            self.trainable.refresh()
-        self.cache.begin_iteration(training)
-        for chunk in self.private:
-            if chunk.state is ChunkState.FREE:
-                self.gather_private(chunk)
-        if self.timeline_recorder is not None:
-            self.timeline_recorder.begin_iteration(training, starts_step=self._iterations_in_step == 0)
-        self._iterations_in_step += training
-        self._sync_buffers()
+        """A forward pass starts: gather what the plan keeps, replay the recorded order, sync buffers."""
+        self.protocol.begin_iteration()
 
     def end_iteration(self) -> None:
         """A step without backward is over (evaluation): let go of what reads outside the hooks held."""
-        if not self._callback_queued:
-            self.access.release_sticky()
-            self.cache.shrink()
-
-    def _sync_buffers(self) -> None:
-        """DDP's default: rank 0's buffers before a forward that follows a training forward."""
-        if self.broadcast_buffers and self._sync_buffers_next and self._buffers:
-            with record_function("Elixir::broadcast_buffers"):
-                layout.broadcast_buffers(self._buffers, self.group)
-        self._sync_buffers_next = torch.is_grad_enabled()
+        self.protocol.end_iteration()
 
     def gather_private(self, chunk: Chunk) -> None:
-        chunk.start_gather(async_op=False)
-        chunk.finish_gather()
-        self.private_gathers += 1
-
-    def acquire_outside_hooks(self, chunk_index: int) -> None:
-        """Gather and pin a public chunk for a read that no module hook covers."""
-        self.cache.acquire_extra(chunk_index)
-
-    def before_module(self, state: ModuleState) -> None:
-        if state.public_ids:
-            self.cache.acquire(state.public_ids)
-            recompute = in_backward()
-            if recompute:
-                self._recompute_pins.append(state.public_ids)
-            if self.timeline_recorder is not None:
-                self.timeline_recorder.acquired("recompute" if recompute else "forward", state.name)
-        state.active += 1
-
-    def after_module(self, state: ModuleState) -> None:
-        if not state.active:
-            return  # the pre-hook failed (the forward hook runs even then)
-        state.active -= 1
-        if not state.public_ids:
-            return
-        if in_backward():
-            if state.public_ids not in self._recompute_pins:
-                return  # already dropped by _drop_recompute_pins
-            self._recompute_pins.remove(state.public_ids)
-        self.cache.release_pins(state.public_ids)
-
-    def _drop_recompute_pins(self) -> None:
-        """Recomputation under activation checkpointing may stop early, skipping forward hooks.
-
-        Once any backward event arrives, recomputation is over and its pins can go: each
-        module's own backward pins its chunks again before it runs.
-        """
-        while self._recompute_pins:
-            self.cache.release_pins(self._recompute_pins.pop())
-
-    def before_call_backward(self, call: BackwardCall) -> None:
-        """The first gradient reached one forward call's outputs: pin its chunks for its backward."""
-        self._drop_recompute_pins()
-        self._begin_backward()
-        if call not in call.state.calls:  # a graph differentiated again (retain_graph, create_graph): reopen
-            call.pending = set(call.state.trainable) | ({hooks.Wait.INPUTS} if call.has_inputs else set())
-            call.pinned = False
-            call.state.calls.append(call)
-        self.cache.acquire(call.state.public_ids)
-        if self._creating_graph:  # the graph this backward builds reads these parameters in a later one
-            self.cache.acquire(call.state.public_ids)
-            self._graph_pins.append(call.state.public_ids)
-        if self.timeline_recorder is not None:
-            self.timeline_recorder.acquired("backward", call.state.name)
-        call.pinned = True
-        if not call.pending:  # nothing to wait for: hold until the end of backward
-            call.pending.add(hooks.Wait.INPUTS)
-
-    def call_event(self, call: BackwardCall, key: WaitKey) -> None:
-        """One thing a call's backward waits for has happened; unpin once nothing is left."""
-        self._drop_recompute_pins()
-        call.pending.discard(key)
-        if call.pending or not call.pinned:
-            return
-        call.pinned = False
-        self.cache.release_pins(call.state.public_ids)
-        call.state.calls.remove(call)
+        self.table.gather_private(chunk)
 
     # ---- gradients ----------------------------------------------------------------------------
 
-    def on_param_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: move the gradient into its chunk and reduce when complete."""
-        with record_function("Elixir::post_accumulate_grad"):
-            self._drop_recompute_pins()
-            self._begin_backward()
-            chunk, slot = self._where[id(param)]
-            chunk.add_grad(slot, param.grad)
-            param.grad = None
-            if chunk.grads_complete:
-                self.reductions.start_ready()
-            state = self._owner.get(id(param))
-            if state is not None and id(param) in state.trainable:
-                for call in list(state.calls):
-                    self.call_event(call, id(param))
-
-    def _begin_backward(self) -> None:
-        """The first event of a backward: queue its end, and keep changes to gathered gradients first.
-
-        In-place changes to gradients gathered before this backward (``AccessGuard.flush_grads``)
-        belong in the shards before its reductions, which may finish during backward, write or add
-        to them ([Note: reductions in flight]).
-        """
-        if self._callback_queued:
-            return
-        self._callback_queued = True
-        self._creating_graph = torch.is_grad_enabled()  # the engine's grad mode is create_graph's
-        self.access.flush_grads()
-        Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _finish_backward(self) -> None:
-        """End of backward: reduce what is left (missing gradients count as zero), publish shards."""
-        with record_function("Elixir::finish_backward"):
-            self._callback_queued = False
-            self._drop_recompute_pins()
-            self.reductions.finish()
-            self._release_backward_calls()
-            if not self._creating_graph:
-                self._release_graph_pins()
-            self.access.release_sticky()
-            self.cache.shrink()
-            self.micro_batches += 1
-
-    def _release_graph_pins(self) -> None:
-        """A backward without ``create_graph`` is over: the graphs earlier ones built have been used
-        ([Note: backward through a backward] in hooks.py)."""
-        while self._graph_pins:
-            self.cache.release_pins(self._graph_pins.pop())
-
-    def _release_backward_calls(self) -> None:
-        for state in self.states:
-            for call in state.calls:
-                if call.pinned:
-                    self.cache.release_pins(state.public_ids)
-            state.calls = []
-
     def _chunk_views(self, chunk: Chunk) -> list[tuple[Slot, nn.Parameter]]:
-        return [(s, self._views[id(s.param)]) for s in chunk.slots if id(s.param) in self._views]
+        return self.table.chunk_views(chunk)
 
     def forget_grad(self, param: nn.Parameter) -> None:
         """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
-        chunk, slot = self._where[id(param)]
-        begin, end = chunk.shard_range(slot)
-        chunk.settle()
-        chunk.grad_shard[begin:end].zero_()
-        view = self._views.get(id(param))
-        if view is not None:
-            view.grad = None
+        self.grads.forget_grad(param)
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the optimizer's own zero_grad does the same through views)."""
-        self.reductions.forget()
+        self.grads.forget()
         self.access.drop_grads()
-        for view in self._views.values():
-            view.grad = None
 
     # ---- optimizer-facing ---------------------------------------------------------------------
 
     def view_param(self, param: nn.Parameter) -> nn.Parameter:
         """The flat view of this rank's master shard of ``param`` (possibly empty), made once."""
-        view = self._views.get(id(param))
+        view = self.table.views.get(id(param))
         if view is not None:
             return view
-        if id(param) not in self._where:
+        if not self.table.holds(param):
             raise ValueError(f"a parameter of shape {tuple(param.shape)} given to the optimizer is not a parameter "
                              "of the model this strategy wraps; build optimizers from self.parameters()")
-        chunk, slot = self._where[id(param)]
+        chunk, slot = self.table.where(param)
         begin, end = chunk.shard_range(slot)
         view = nn.Parameter(chunk.master[begin:end], requires_grad=param.requires_grad)
-        self._views[id(param)] = view
+        self.table.views[id(param)] = view
         return view
 
     def shard_views(self) -> dict[int, nn.Parameter]:
         """The optimizer's shard views made so far, by the id of their parameter."""
-        return self._views
+        return self.table.views
 
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shards, one per chunk that has trainable parameters."""
-        return [c.grad_shard for c in self.chunks if c.grad_requiring and self.reductions.valid[c.index]]
+        return self.grads.shards()
 
     def before_step(self) -> None:
         """The optimizer is about to update the masters: keep what code wrote to gathered values first."""
@@ -399,7 +283,7 @@ class ElixirRuntime:
         """
         with self.clock.timing("optimizer"):
             self.before_step()
-            settle_unused(self, optimizer)
+            self.grads.settle_unused(optimizer, self.group, self.device)
             hidden = self.offload.launch(optimizer)
             try:
                 yield
@@ -408,12 +292,12 @@ class ElixirRuntime:
             self.after_step(stepped=True)
 
     def after_step(self, stepped: bool = True) -> None:
-        """The optimizer has updated the masters: refresh the shards and mark gathered chunks stale."""
+        """The optimizer has updated the masters: refresh the shards and renew what is gathered."""
         self.access.drop_grads()
-        self._iterations_in_step = 0
         if self.timeline_recorder is not None:
             self._end_recorded_step()
         if not stepped:
+            self.protocol.iterations_in_step = 0
             self.skipped_steps += 1
             return
         self.steps += 1
@@ -421,16 +305,11 @@ class ElixirRuntime:
             chunk.exposed = False  # written back by before_step; the gathered values are stale now
             if not chunk.offloaded:  # offloaded shards are refreshed by their update on the worker
                 chunk.refresh_shard()
-        self.release_all()
+        self.protocol.after_step()
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
-        self._release_graph_pins()
-        self.access.release_sticky()
-        self.cache.invalidate()
-        for chunk in self.private:
-            if chunk.state is not ChunkState.FREE:
-                chunk.release()
+        self.protocol.release_all()
 
     def step_region(self):
         """Context: code every rank runs together (a step); reads outside the hooks gather on demand."""
@@ -454,14 +333,15 @@ class ElixirRuntime:
         Returns:
             The recorder; its ``timeline`` is complete once ``done`` (after ``optimizer.step()``).
         """
-        self.timeline_recorder = TimelineRecorder(self, budget_bytes)
-        return self.timeline_recorder
+        self.protocol.recorder = TimelineRecorder(self, budget_bytes)
+        return self.protocol.recorder
 
     def _end_recorded_step(self) -> None:
         """An optimizer step ends the recorded step, if it has begun; the recorder then detaches."""
-        self.timeline_recorder.end_step()
-        if self.timeline_recorder.done:
-            self.timeline_recorder = None
+        recorder = self.protocol.recorder
+        recorder.end_step()
+        if recorder.done:
+            self.protocol.recorder = None
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes the runtime holds (device, host, NVMe) and how many chunks are gathered.
@@ -476,7 +356,6 @@ class ElixirRuntime:
             if not c.offloaded:
                 device_state += c.grad_shard.nbytes + (0 if c.master is c.shard else c.master.nbytes)
                 device_state += self.optimizer_state_bytes(c)
-        block = self.public[0].full_bytes if self.public else 0
         gathered_private = [c for c in self.private if c.state is not ChunkState.FREE]
         return {
             "param_shard_bytes": param_shards,
@@ -484,8 +363,8 @@ class ElixirRuntime:
             "host_bytes": self.offload.host_bytes(),
             "nvme_bytes": self.offload.nvme_bytes(),
             "shard_bytes": param_shards + device_state,
-            "cache_bytes": len(self.cache.gathered) * block,
-            "private_bytes": sum(c.full_bytes for c in gathered_private),
+            "cache_bytes": sum(c.block_bytes for c in self.cache.gathered.values()),
+            "private_bytes": sum(c.block_bytes for c in gathered_private),
             "cache_blocks": self.cache.capacity,
             "gathered_public_chunks": len(self.cache.gathered),
             "peak_gathered_public_chunks": self.cache.peak_gathered,
@@ -504,11 +383,7 @@ class ElixirRuntime:
     # ---- giving the module back -------------------------------------------------------------------
 
     def remove_hooks(self) -> None:
-        for state in self.states:
-            for handle in state.handles:
-                handle.remove()
-        for handle in self.handles:
-            handle.remove()
+        self.protocol.remove_hooks()
 
     def detach_module(self) -> None:
         """Drop the chunks without gathering: the parameters become placeholders of their shape and
@@ -523,10 +398,8 @@ class ElixirRuntime:
                 slot.param.grad = None
         self.remove_hooks()
         self.offload.close()
-        self.chunks, self.public, self.private = [], [], []
-        self.reductions = Reductions([], self.offload, self._chunk_views)
-        self._where.clear()
-        self._views.clear()
+        self.table.clear()
+        self.grads.rebuild()
         self.grad_buffers.clear()
         self.optimizers = []
 

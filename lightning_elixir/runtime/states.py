@@ -4,7 +4,8 @@
 A public chunk is FREE (only this rank's shard exists), GATHERING (an all-gather into its block is
 in flight), HOLD (gathered and evictable) or COMPUTE (gathered and pinned by at least one running
 module, forward or backward). Private chunks never return to FREE within a step. After the
-optimizer step every gathered chunk is stale and goes back to FREE. Any other move is a bug in the
+optimizer step every gathered chunk is stale: it goes back to FREE, or, in a plan whose chunks stay
+gathered ([Note: resident plans] in protocol.py), back to GATHERING into the same block. Any other move is a bug in the
 runtime and raises at once instead of computing with a released or half-gathered buffer.
 """
 
@@ -26,6 +27,7 @@ _LEGAL: frozenset[tuple[ChunkState, ChunkState]] = frozenset({
     (ChunkState.HOLD, ChunkState.COMPUTE),
     (ChunkState.COMPUTE, ChunkState.HOLD),
     (ChunkState.HOLD, ChunkState.FREE),
+    (ChunkState.HOLD, ChunkState.GATHERING),
 })
 
 

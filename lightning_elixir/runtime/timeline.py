@@ -85,8 +85,8 @@ class TimelineRecorder:
     def _params_bytes(self) -> int:
         """Parameter shards, gathered public chunks and gathered private chunks."""
         rt = self.runtime
-        gathered = sum(c.full_bytes for c in rt.cache.gathered.values())
-        private = sum(c.full_bytes for c in rt.private if c.state is not ChunkState.FREE)
+        gathered = sum(c.block_bytes for c in rt.cache.gathered.values())
+        private = sum(c.block_bytes for c in rt.private if c.state is not ChunkState.FREE)
         return sum(c.shard.nbytes for c in rt.chunks) + gathered + private
 
     def _grads_bytes(self) -> int:

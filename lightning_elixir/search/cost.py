@@ -280,7 +280,8 @@ def timeline(
     concatenated), as in ``sim``. ``comm_overlap`` is ``HardwareProfile.comm_overlap``.
     """
     g, r = times.gather_s, times.reduce_s
-    comm_free = compute_free = sum(g[c] for c in layout.private)
+    # The private chunks the step gathers come first in its sequence (none where the shards are the blocks).
+    comm_free = compute_free = sum(g[c] for c in sim.sequence[:len(layout.private)] if layout.chunks[c].private)
     ready = [0.0] * len(layout.chunks)
     first_use: list[float | None] = [0.0 if spec.private else None for spec in layout.chunks]
     done = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_elixir.plan import ElixirPlan, PlanError
+from lightning_elixir.plan import ElixirPlan, PlanError, stays_gathered
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.search.cost import (CostBreakdown, access_compute_s, chunk_times, hides_host_work, placement_cost,
                                           reduce_schedule, step_cost, timeline)
@@ -50,11 +50,12 @@ def evaluate_plan(
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(plan.cache_blocks, needs, len(layout.public))
     m = options.micro_batches
-    sim = simulate(layout, needs, blocks, plan.prefetch_depth, m, dtype_bytes(model.compute_dtype))
+    placements = tuple(spec.placement for spec in layout.chunks)
+    resident = stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements))
+    sim = simulate(layout, needs, blocks, plan.prefetch_depth, m, dtype_bytes(model.compute_dtype), resident)
     times = chunk_times(layout, model, hardware, options)
     tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times,
                   hardware.comm_overlap)
-    placements = tuple(spec.placement for spec in layout.chunks)
     cost = step_cost(tl, times, placement_cost(times, placements, m), hides_host_work(hardware))
     return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)
 

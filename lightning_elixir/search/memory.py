@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_elixir.plan import round_up
+from lightning_elixir.plan import round_up, stays_gathered
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
@@ -155,14 +155,26 @@ def margin_bytes(subtotal_bytes: int, options: SearchOptions) -> int:
     return math.ceil(subtotal_bytes * options.margin_fraction) + options.margin_bytes
 
 
-def fixed_device_bytes(layout: Layout, model: ModelProfile, blocks: int, options: SearchOptions) -> tuple[int, ...]:
-    """Placement-independent device bytes: (param shards, cache, private, reduce buffers, activations)."""
+def fixed_device_bytes(layout: Layout, model: ModelProfile, blocks: int, options: SearchOptions,
+                       aliased: bool = False) -> tuple[int, ...]:
+    """Device bytes the placement does not change: (param shards, cache, private, reduce buffers, activations).
+
+    ``aliased``: one rank under a resident plan, whose shards are its blocks and whose gradients land
+    in their shards ([Note: a world of one] in runtime/chunk.py): no blocks, no buffers beyond the shards.
+    """
     per = state_bytes(model, options)
     shards = layout.total_numel // layout.world_size * per.param
+    if aliased:
+        return shards, 0, 0, 0, model.activation_peak_bytes
     cache = blocks * layout.chunk_numel * per.param
     private = sum(layout.chunks[i].numel for i in layout.private) * per.param
     buffers = options.reduce_buffers * layout.largest_chunk_numel * per.reduce
     return shards, cache, private, buffers, model.activation_peak_bytes
+
+
+def is_aliased(layout: Layout, blocks: int, placements: tuple[str, ...]) -> bool:
+    """Whether a layout with ``blocks`` cache blocks and ``placements`` runs with its shards as its blocks."""
+    return layout.world_size == 1 and stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements))
 
 
 def memory_breakdown(
@@ -190,6 +202,6 @@ def memory_breakdown(
     shard = [spec.numel // layout.world_size for spec in layout.chunks]
     device_state = sum(n * per.state for n, p in zip(shard, placements) if p == "device")
     host, nvme = offloaded_bytes(shard, placements, per, options)
-    fixed = fixed_device_bytes(layout, model, blocks, options)
+    fixed = fixed_device_bytes(layout, model, blocks, options, is_aliased(layout, blocks, placements))
     margin = margin_bytes(sum(fixed) + device_state, options)
     return MemoryBreakdown(fixed[0], device_state, *fixed[1:], margin, host, nvme)

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
+from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, stays_gathered
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.search.cost import (ChunkTimes, CostBreakdown, PlacementCost, Timeline, access_compute_s,
                                           chunk_times, hides_host_work, host_floor_s, network_floor_s, overlapped_s,
@@ -175,35 +175,51 @@ def block_grid(fewest: int, public_chunks: int, points: int) -> tuple[int, ...]:
 
 def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
                 options: SearchOptions, compute_s: tuple[float, ...]) -> Iterator[_Evaluated]:
-    """Every fitting (chunk size, cache blocks, prefetch depth), each with its best fitting rung."""
+    """Every fitting (chunk size, cache blocks, prefetch depth), each with its best fitting rung.
+
+    A cache with a block per public chunk runs the rungs that offload nothing as a resident plan
+    ([Note: resident plans] in runtime/protocol.py): simulated as one, and with one rank without
+    blocks or gradient buffers beyond the shards."""
     compute_bytes = dtype_bytes(model.compute_dtype)
     comm_overlap, host_hides = hardware.comm_overlap, hides_host_work(hardware)
     for space in spaces:
         for blocks in space.blocks:
-            fixed = sum(fixed_device_bytes(space.layout, model, blocks, options))
-            first = _first_fitting_rung(space.ladder, fixed, budget_bytes, options)
+            fixed = {resident: sum(fixed_device_bytes(space.layout, model, blocks, options,
+                                                      aliased=resident and space.layout.world_size == 1))
+                     for resident in (False, True)}
+            first = _first_fitting_rung(space, blocks, fixed, budget_bytes, options)
             if first is None:
                 continue
             needs = space.needs * options.micro_batches
-            rungs = range(first, len(space.ladder))
             for depth in options.prefetch_depths:
-                sim = simulate(space.layout, space.needs, blocks, depth, options.micro_batches, compute_bytes)
-                tl = timeline(space.layout, needs, sim, compute_s, space.reduced, space.times, comm_overlap)
-                costed = sorted((_evaluate(space, sim, tl, r, fixed, options, host_hides) for r in rungs),
-                                key=lambda e: e.key)
+                costed = []
+                for resident in (True, False):
+                    rungs = [r for r in range(first, len(space.ladder)) if _resident(space, blocks, r) == resident]
+                    if not rungs:
+                        continue
+                    sim = simulate(space.layout, space.needs, blocks, depth, options.micro_batches, compute_bytes,
+                                   resident)
+                    tl = timeline(space.layout, needs, sim, compute_s, space.reduced, space.times, comm_overlap)
+                    costed += [_evaluate(space, sim, tl, r, fixed[resident], options, host_hides) for r in rungs]
+                costed.sort(key=lambda e: e.key)
                 preferred = _prefer_fewer_offloaded(costed, options.min_offload_gain)[0]
                 if preferred is costed[0]:
-                    yield dataclasses.replace(preferred, costed=len(rungs))
+                    yield dataclasses.replace(preferred, costed=len(costed))
                 else:  # both: the fastest prediction overall is what the gain is measured against
-                    yield dataclasses.replace(costed[0], costed=len(rungs) - 1)
+                    yield dataclasses.replace(costed[0], costed=len(costed) - 1)
                     yield preferred
 
 
-def _first_fitting_rung(ladder: tuple[Rung, ...], fixed_bytes: int, budget_bytes: int,
+def _resident(space: _Space, blocks: int, rung: int) -> bool:
+    """Whether ``blocks`` with rung ``rung``'s placement keeps every chunk gathered."""
+    return stays_gathered(blocks, len(space.layout.public), space.ladder[rung].offloaded > 0)
+
+
+def _first_fitting_rung(space: _Space, blocks: int, fixed_bytes: dict[bool, int], budget_bytes: int,
                         options: SearchOptions) -> int | None:
     """Index of the first rung whose device peak fits the budget, if any."""
-    for i, rung in enumerate(ladder):
-        subtotal = fixed_bytes + rung.device_state_bytes
+    for i, rung in enumerate(space.ladder):
+        subtotal = fixed_bytes[_resident(space, blocks, i)] + rung.device_state_bytes
         if subtotal + margin_bytes(subtotal, options) <= budget_bytes:
             return i
     return None
@@ -310,7 +326,8 @@ def _offload_reason(best: _Evaluated, fastest: _Evaluated, model: ModelProfile, 
 
 def _all_device_peak(space: _Space, model: ModelProfile, blocks: int, options: SearchOptions) -> int:
     """The device peak of this chunk size with ``blocks`` cache blocks and every chunk's state on the device."""
-    subtotal = sum(fixed_device_bytes(space.layout, model, blocks, options)) + space.ladder[0].device_state_bytes
+    aliased = space.layout.world_size == 1 and _resident(space, blocks, 0)
+    subtotal = sum(fixed_device_bytes(space.layout, model, blocks, options, aliased)) + space.ladder[0].device_state_bytes
     return subtotal + margin_bytes(subtotal, options)
 
 
@@ -334,8 +351,10 @@ def _least_host_floor_s(e: _Evaluated, model: ModelProfile, budget_bytes: int, o
                         host_hides: bool) -> float:
     """Host floor of the least-offloaded rung that fits, for this candidate's layout and cache (every
     fitting rung above it offloads more, so its floor is no lower)."""
-    fixed = sum(fixed_device_bytes(e.space.layout, model, e.candidate.cache_blocks, options))
-    first = _first_fitting_rung(e.space.ladder, fixed, budget_bytes, options)
+    blocks, layout = e.candidate.cache_blocks, e.space.layout
+    fixed = {resident: sum(fixed_device_bytes(layout, model, blocks, options, resident and layout.world_size == 1))
+             for resident in (False, True)}
+    first = _first_fitting_rung(e.space, blocks, fixed, budget_bytes, options)
     return host_floor_s(e.space.rung_costs[first], host_hides)
 
 

@@ -10,6 +10,10 @@ The runtime follows exactly these rules, so the gather counts here are what it w
   eviction and prefetch, look no further than the end of the current micro-batch (the runtime
   replays the order it recorded for one forward and backward).
 - Private chunks are gathered once at the start of the step and stay gathered; they take no block.
+- A resident plan ([Note: resident plans] in runtime/protocol.py: every public chunk has a block and
+  nothing is offloaded) gathers every chunk once per step, all issued together: the first access
+  that needs public chunks waits for its own, the rest arrive behind it. With one rank its shards
+  are its blocks ([Note: a world of one] in runtime/chunk.py) and nothing is gathered at all.
 - An access that needs no public chunk (a module holding only private parameters, a use of a
   private parameter outside its owner) leaves the cache alone: the runtime's cache sees no
   acquisition there, so nothing is gathered, evicted or prefetched.
@@ -29,7 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Union
 
-from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError, min_plus_blocks, spare_blocks
+from lightning_elixir.plan import (CACHE_ALL, CACHE_MIN, ElixirPlan, PlanError, min_plus_blocks, spare_blocks,
+                                   stays_gathered)
 from lightning_elixir.schedule import NEVER, furthest, prefetch_may_evict
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.layout import Layout, access_chunks, layout_from_plan
@@ -202,6 +207,26 @@ def cached_chunks(needs: list[tuple[int, ...]], n_chunks: int, blocks: int, dept
     return tuple(tuple(sorted(cache.cached)) for _, _, cache in _replay(needs, n_chunks, blocks, depth, micro_batches))
 
 
+def aliased(layout: Layout, resident: bool) -> bool:
+    """Whether the shards are the gathered blocks: one rank, a resident plan ([Note: a world of one])."""
+    return resident and layout.world_size == 1
+
+
+def resident_replay(needs: list[tuple[int, ...]], n_public: int, micro_batches: int,
+                    gathers: bool = True) -> tuple[tuple, tuple]:
+    """``replay`` for a resident plan: every public chunk is gathered at the step's first access that
+    needs one (its own chunks as demand, the rest behind them), nothing after; with ``gathers`` False
+    (one rank: the shards are the blocks) nothing at all."""
+    positions = len(needs) * micro_batches
+    demand: list[tuple[int, ...]] = [()] * positions
+    prefetched: list[tuple[int, ...]] = [()] * positions
+    first = next((p for p, need in enumerate(needs) if need), None)
+    if gathers and first is not None:
+        demand[first] = tuple(needs[first])
+        prefetched[first] = tuple(c for c in range(n_public) if c not in needs[first])
+    return tuple(demand), tuple(prefetched)
+
+
 def simulate(
     layout: Layout,
     needs: tuple[tuple[int, ...], ...],
@@ -209,10 +234,16 @@ def simulate(
     depth: int,
     micro_batches: int,
     compute_bytes: int,
+    resident: bool = False,
 ) -> SimResult:
-    """Simulate one step of ``micro_batches`` replays of ``needs`` (see ``access_chunks``)."""
-    demand, prefetched = replay(list(needs), len(layout.chunks), blocks, depth, micro_batches)
-    sequence = list(layout.private)
+    """Simulate one step of ``micro_batches`` replays of ``needs`` (see ``access_chunks``); ``resident``:
+    the plan keeps every chunk gathered (``plan.stays_gathered``)."""
+    if resident:
+        demand, prefetched = resident_replay(list(needs), len(layout.public), micro_batches,
+                                             gathers=not aliased(layout, resident))
+    else:
+        demand, prefetched = replay(list(needs), len(layout.chunks), blocks, depth, micro_batches)
+    sequence = [] if aliased(layout, resident) else list(layout.private)
     for d, f in zip(demand, prefetched):
         sequence.extend(d)
         sequence.extend(f)
@@ -249,4 +280,5 @@ def simulate_gathers(
         raise ValueError(f"need micro_batches >= 1 and prefetch_depth >= 0, got {micro_batches}, {prefetch_depth}")
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(cache_blocks, needs, len(layout.public))
-    return simulate(layout, needs, blocks, prefetch_depth, micro_batches, dtype_bytes(model.compute_dtype))
+    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks))
+    return simulate(layout, needs, blocks, prefetch_depth, micro_batches, dtype_bytes(model.compute_dtype), resident)

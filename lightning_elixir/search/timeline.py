@@ -14,26 +14,28 @@ peak. They differ where the runtime holds less than the bound, or more:
   ``n`` chunks until it fills;
 - optimizer state is counted for trained elements only: torch creates none for padding, for frozen
   parameters or for the part of a parameter another rank owns;
-- in backward, each trained chunk holds a full-size gradient buffer from its first gradient, and a
-  shard-size reduce-scatter output once its reduction starts, both until the reduction is retired:
-  when the ``REDUCE_BUFFERS``-th chunk after it in the reduce order starts ([Note: reductions in
-  flight] in runtime/runtime.py), else at the end of backward. ``MemoryBreakdown`` counts
-  ``reduce_buffers`` full-size buffers instead, which is short of the peak: the chunks in flight
-  also hold their outputs, and chunks whose gradients have begun to arrive (or that wait for an
-  earlier chunk in the order) hold their buffers besides those in flight.
+- in backward, each trained chunk holds a full-size gradient buffer and a shard-size reduce-scatter
+  output from the start of its reduction (its gradients move into the buffer then: [Note:
+  gradients land per chunk] in runtime/chunk.py) until the reduction is retired: when the
+  ``REDUCE_BUFFERS``-th chunk after it in the reduce order starts ([Note: reductions in flight] in
+  runtime/reductions.py), else at the end of backward. ``MemoryBreakdown`` counts ``reduce_buffers``
+  full-size buffers instead, which is short of the peak by the outputs of the chunks in flight;
+- a resident plan ([Note: resident plans] in runtime/protocol.py) holds every block from the first
+  position; with one rank its shards are its blocks and its gradients land in their shards, so it
+  holds neither blocks nor gradient buffers.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Union
 
-from lightning_elixir.plan import CACHE_ALL, REDUCE_BUFFERS, ElixirPlan, PlanError, slot_offsets
+from lightning_elixir.plan import CACHE_ALL, REDUCE_BUFFERS, ElixirPlan, PlanError, slot_offsets, stays_gathered
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.evaluate import plan_layout
-from lightning_elixir.search.layout import Layout, access_chunks, grad_positions, reduce_positions
+from lightning_elixir.search.layout import Layout, access_chunks, reduce_positions
 from lightning_elixir.search.memory import StateBytes, fixed_device_bytes, state_bytes
 from lightning_elixir.search.options import SearchOptions
-from lightning_elixir.search.simulate import cached_chunks, resolve_cache_blocks
+from lightning_elixir.search.simulate import aliased, cached_chunks, resolve_cache_blocks
 from lightning_elixir.timeline import MemoryTimeline, position_label
 
 def predict_timeline(
@@ -72,15 +74,22 @@ def predict_timeline(
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(blocks, needs, len(layout.public))
     m = options.micro_batches
-    cached = cached_chunks(list(needs), len(layout.chunks), blocks, depth, m)
+    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks))
+    alias = aliased(layout, resident)
+    if resident:  # every public chunk gathered before the first access ([Note: resident plans])
+        cached = (tuple(layout.public),) * (len(needs) * m)
+    else:
+        cached = cached_chunks(list(needs), len(layout.chunks), blocks, depth, m)
     # (index in the replayed step, index in the micro-batch) of each access that acquires public chunks.
     positions = [(i * len(needs) + p, p) for i in range(m) for p, need in enumerate(needs) if need]
-    shards, _, private, _, _ = fixed_device_bytes(layout, model, 0, options)
+    shards, _, private, _, _ = fixed_device_bytes(layout, model, 0, options, alias)
+    block = 0 if alias else per.param
     grad_shards, optimizer = _resident_state_bytes(layout, model, per, rank)
-    reduce, live = _reduce_buffer_bytes(layout, model, per), _live_before(model)
+    reduce = [0] * (len(model.accesses) + 1) if alias else _reduce_buffer_bytes(layout, model, per)
+    live = _live_before(model)
     return MemoryTimeline(
         labels=tuple(_label(model, p) for _, p in positions),
-        params_bytes=tuple(shards + private + sum(layout.chunks[c].numel for c in cached[i]) * per.param
+        params_bytes=tuple(shards + private + sum(layout.chunks[c].numel for c in cached[i]) * block
                            for i, _ in positions),
         grads_bytes=tuple(grad_shards + reduce[p] for _, p in positions),
         optimizer_bytes=(optimizer,) * len(positions),
@@ -137,19 +146,14 @@ def _trained_shard_numels(layout: Layout, model: ModelProfile, rank: int) -> lis
 
 def _reduce_buffer_bytes(layout: Layout, model: ModelProfile, per: StateBytes) -> list[int]:
     """Per access of a micro-batch, the gradient buffers held when it starts ([Note: timeline versus
-    MemoryBreakdown]): each trained chunk's full buffer after its first gradient, and its reduce-scatter
-    output after its reduction starts, until the reduction is retired."""
-    first = [len(model.accesses)] * len(layout.chunks)
-    for name, position in grad_positions(model).items():
-        c = layout.chunk_of[name]
-        first[c] = min(first[c], position)
+    MemoryBreakdown]): each trained chunk's full buffer and its reduce-scatter output, from the start of
+    its reduction until the reduction is retired."""
     reduced = reduce_positions(layout, model)
     held = [0] * (len(model.accesses) + 1)
     for c, retired in _retire_positions(layout, reduced).items():
         full = layout.chunks[c].numel * per.reduce
         output = layout.chunks[c].numel // layout.world_size * per.reduce
-        held[first[c] + 1] += full
-        held[reduced[c] + 1] += output
+        held[reduced[c] + 1] += full + output
         if retired is not None:
             held[retired + 1] -= full + output
     for p in range(1, len(held)):

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_elixir.units import hook_units
+
 
 @dataclass
 class RealStep:
@@ -67,8 +69,8 @@ def run_real_step(module: nn.Module, batch: Any, step_fn: Callable[[nn.Module, A
     """Run forward, loss and backward for real with hooks like the runtime's and a lifetime tracker."""
     result = RealStep()
     tracker = _Lifetimes(result)
-    direct = {name for name, m in module.named_modules() if any(p is not None for p in m._parameters.values())}
-    handles = [h for name, m in module.named_modules() if name in direct for h in _hooks(name, m, result, tracker)]
+    units = [unit.name for unit in hook_units(module)]  # the modules the runtime hooks
+    handles = [h for name in units for h in _hooks(name, module.get_submodule(name), result, tracker)]
     handles += [p.register_post_accumulate_grad_hook(lambda p: tracker._die(p.grad.untyped_storage().data_ptr()))
                 for p in module.parameters()]
     try:

@@ -94,7 +94,7 @@ def test_tied_and_foreign_uses_are_shared_and_attributed():
     assert all(a.params == ("emb.weight",) for a in head)
 
 
-def test_foreign_use_inside_a_module_with_parameters_joins_its_access():
+def test_a_unit_owns_its_submodules_parameters_and_reads_them_anywhere_in_its_forward():
     class Parent(nn.Module):
         def __init__(self):
             super().__init__()
@@ -105,11 +105,28 @@ def test_foreign_use_inside_a_module_with_parameters_joins_its_access():
             return self.child(x) * self.scale + x @ self.child.weight
 
     profile = profile_model(Parent(), torch.randn(4, 8))
-    parent = [a for a in profile.accesses if a.module == ""]
-    assert [a.phase for a in parent] == ["forward", "backward"]
-    assert all(a.params == ("scale", "child.weight") for a in parent)
-    assert profile.shared_params == ("child.weight",)
-    assert not any(a.op for a in profile.accesses)
+    # No block inside: the module holding parameters is one unit with its child, hooked once.
+    assert [(a.phase, a.module) for a in profile.accesses] == [("forward", ""), ("backward", "")]
+    assert all(a.params == ("child.weight", "child.bias", "scale") for a in profile.accesses)  # first-read order
+    assert profile.shared_params == ()
+
+
+def test_a_parameter_read_outside_its_unit_joins_the_running_units_access():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x) * self.scale
+            return x
+
+    profile = profile_model(Stack(), torch.randn(4, 8))
+    assert [(a.phase, a.module) for a in profile.accesses if a.phase == "forward"] == [
+        ("forward", ""), ("forward", "blocks.0"), ("forward", "blocks.1")]
+    assert profile.shared_params == ()  # the root unit owns scale and reads it while it runs
 
 
 def test_params_in_first_use_order_with_unused_last():

@@ -49,6 +49,6 @@ def test_20b_gpt_profiles_without_allocating_its_weights():
     print(f"20B profile: {result}")
     assert 19e9 < result["numel"] == result["expected"] < 21e9
     assert result["grew_bytes"] < 1 << 30
-    # wte, wpe, ln_f, lm_head and 6 modules per block, each forward once and backward once.
-    assert result["accesses"] == 2 * (4 + 6 * result["blocks"])
+    # wte, wpe, ln_f, lm_head and one unit per block, each forward once and backward once.
+    assert result["accesses"] == 2 * (4 + result["blocks"])
     assert result["peak_bytes"] > 1024 * 8192 * 2  # at least one bf16 hidden state of the sequence

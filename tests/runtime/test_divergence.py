@@ -126,7 +126,7 @@ def _lrs_differ(rank: int, group: Group, plan: ElixirPlan, lr_by_rank: tuple[flo
     opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=lr_by_rank[rank], momentum=0.9))
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
     optimizer_step(runtime, opt)
-    return runtime.trainable.hyperparameters_differ
+    return runtime.hyperparameters_differ
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def placed_plan(model: torch.nn.Module, world_size: int, placements: tuple[str, 
     """The default packing with chunk ``i`` placed at ``placements[i % len(placements)]``."""
     specs = resolve_specs(model, ElixirPlan(chunk_numel=CHUNK_NUMEL), world_size)
     chunks = tuple(dataclasses.replace(s, placement=placements[i % len(placements)]) for i, s in enumerate(specs))
-    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks=3, name="placed")
+    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks="min+1", name="placed")
 
 
 def train(rank: int, model: torch.nn.Module, plan: ElixirPlan, case: Case, nvme_path: str,

@@ -33,9 +33,9 @@ def fp32_results():
         Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks=CACHE_ALL, name="zero2")),
         Run(ElixirPlan(chunk_numel=LARGE_CHUNK, cache_blocks=CACHE_MIN, name="zero3")),
         Run(ElixirPlan(chunk_numel=LARGE_CHUNK, cache_blocks=CACHE_ALL, name="zero2")),
-        Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks=3, prefetch_depth=2), steps=10, micro_batches=3, config=NO_BIAS),
+        Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks="min+2", prefetch_depth=2), steps=10, micro_batches=3, config=NO_BIAS),
         Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks=CACHE_MIN), steps=10, clip_norm=0.05),
-        Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks=4), steps=10, clip_value=1e-3),
+        Run(ElixirPlan(chunk_numel=SMALL_CHUNK, cache_blocks="min+1"), steps=10, clip_value=1e-3),
     ]
     return run_distributed(compare, 2, runs)
 
@@ -69,8 +69,8 @@ def test_clip_value_matches_torch_under_ddp(fp32_results):
 def test_cache_never_holds_more_than_its_blocks(fp32_results):
     for rank_result in fp32_results:
         bounded = rank_result[4]["elixir"]
-        assert bounded["stats"]["peak_gathered_public_chunks"] <= 3
-        assert bounded["stats"]["peak_gathered_public_chunks"] == 3  # prefetch fills the cache
+        assert bounded["capacity"] < bounded["num_public"]
+        assert bounded["stats"]["peak_gathered_public_chunks"] == bounded["capacity"]  # prefetch fills the cache
         zero3 = rank_result[0]["elixir"]
         assert zero3["stats"]["peak_gathered_public_chunks"] <= zero3["capacity"] < zero3["num_public"]
         zero2 = rank_result[1]["elixir"]

@@ -34,7 +34,7 @@ ZERO2 = ElixirPlan(chunk_numel=8192, cache_blocks=CACHE_ALL, name="large-zero2")
 def offload_plan(world_size: int, placements: tuple[str, ...]) -> ElixirPlan:
     specs = resolve_specs(GPT(NO_BIAS), ElixirPlan(chunk_numel=5000), world_size)
     chunks = tuple(dataclasses.replace(s, placement=placements[i % len(placements)]) for i, s in enumerate(specs))
-    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks=2, name="offloaded")
+    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks="min", name="offloaded")
 
 
 def _train(rank: int, model: torch.nn.Module, first: ElixirPlan, then: Optional[ElixirPlan],

@@ -46,7 +46,7 @@ def make_plan(name: str, model: torch.nn.Module, world_size: int) -> ElixirPlan:
     specs = resolve_specs(model, ElixirPlan(chunk_numel=4097), world_size)
     placements = ("device", "cpu", "nvme")
     chunks = tuple(dataclasses.replace(s, placement=placements[i % 3]) for i, s in enumerate(specs))
-    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks=3, name="mixed")
+    return ElixirPlan(chunks=chunks, world_size=world_size, cache_blocks="min+1", name="mixed")
 
 
 def make_model(seed: int, marker: float) -> GPT:

@@ -34,18 +34,22 @@ def plan(blocks, depth, placements=("device", "device")):
     return ElixirPlan(chunks=chunks, world_size=2, cache_blocks=blocks, prefetch_depth=depth)
 
 
-def test_every_chunk_gathered_without_prefetch():
-    # p0 fwd m0: gather 0 on demand, 0 -> 2; compute 2 -> 3.
-    # p1 fwd m1: gather 1 on demand, 3 -> 5; compute 5 -> 6.
-    # p2 bwd m1: cached; compute 6 -> 8; chunk 1's gradient is complete: reduce 8 -> 10.
-    # p3 bwd m0: cached; compute 8 -> 10; reduce chunk 0: 10 -> 12.
-    # Device optimizer: 100 elements at 100/s = 1 s. Step: 12 + 1 = 13 s.
-    cost = evaluate_plan(plan("all", 0), MODEL, HARDWARE, OPTIONS).cost
-    assert cost.forward_backward_s == pytest.approx(12.0)
-    assert cost.step_s == pytest.approx(13.0)
-    assert cost.compute_s == pytest.approx(6.0)
-    assert cost.all_gather_s == pytest.approx(4.0)
-    assert cost.reduce_scatter_s == pytest.approx(4.0)
+def test_a_resident_plan_gathers_every_chunk_at_the_start():
+    # Every chunk has a block: both gathers are issued when the step starts, whatever the prefetch depth.
+    # p0 fwd m0: waits for chunk 0, 0 -> 2; compute 2 -> 3; chunk 1 follows on the link, 2 -> 4.
+    # p1 fwd m1: waits for chunk 1 until 4; compute 4 -> 5.
+    # p2 bwd m1: compute 5 -> 7; chunk 1's gradient is complete: reduce 7 -> 9.
+    # p3 bwd m0: compute 7 -> 9; reduce chunk 0: 9 -> 11.
+    # Device optimizer: 100 elements at 100/s = 1 s. Step: 11 + 1 = 12 s.
+    for depth in (0, 1):
+        prediction = evaluate_plan(plan("all", depth), MODEL, HARDWARE, OPTIONS)
+        cost = prediction.cost
+        assert prediction.sim.demand[0] == (0,) and prediction.sim.prefetched[0] == (1,)
+        assert cost.forward_backward_s == pytest.approx(11.0)
+        assert cost.step_s == pytest.approx(12.0)
+        assert cost.compute_s == pytest.approx(6.0)
+        assert cost.all_gather_s == pytest.approx(4.0)
+        assert cost.reduce_scatter_s == pytest.approx(4.0)
 
 
 def test_prefetch_hides_the_second_gather():
@@ -254,10 +258,11 @@ def test_contention_with_prefetch(overlap, forward_backward_s):
     assert cost.step_s == pytest.approx(forward_backward_s + 1.0)
 
 
-@pytest.mark.parametrize("overlap, step_s", [(1.0, 13.0), (0.5, 14.0), (0.0, 15.0)])
-def test_contention_without_prefetch(overlap, step_s):
-    # The schedule of test_every_chunk_gathered_without_prefetch ends at 12; only the reduce of
-    # chunk 1 (8 -> 10) runs beside compute (m0's backward): 2 s hidden. Overlap 0.5: 12 + 1 + 1 = 14.
+@pytest.mark.parametrize("overlap, step_s", [(1.0, 12.0), (0.5, 13.5), (0.0, 15.0)])
+def test_contention_of_a_resident_plan(overlap, step_s):
+    # The schedule of test_a_resident_plan_gathers_every_chunk_at_the_start ends at 11; chunk 1's
+    # gather runs beside p0's compute (2 -> 3: 1 s) and the reduce of chunk 1 beside m0's backward
+    # (7 -> 9: 2 s): 3 s hidden. Overlap 0.5: 11 + 1 + 1.5 = 13.5.
     hardware = dataclasses.replace(HARDWARE, comm_overlap=overlap)
     assert evaluate_plan(plan("all", 0), MODEL, hardware, OPTIONS).cost.step_s == pytest.approx(step_s)
 
@@ -300,9 +305,11 @@ def test_without_overlap_prefetch_saves_nothing_and_the_bound_adds_up():
 
 
 def test_offload_the_search_is_not_forced_to_take():
-    # Overlap 0 with room for everything, offload allowed. Without prefetch the schedule ends at 12
-    # (test_every_chunk_gathered_without_prefetch) + 2 s contention: 14; chunk 1 is gathered 3 -> 5
-    # for p1. Offloading chunk 1: the next step can start at 14.5 (device optimizer 0.5 s), the
+    # Overlap 0 with room for everything, offload allowed. All on the device the plan is resident:
+    # 11 + 3 s contention + 1 s optimizer = 15 s (test_contention_of_a_resident_plan). Offloading
+    # chunk 1 makes it gather at first use; without prefetch the schedule ends at 12 (p0 gathers 0 -> 2,
+    # computes 2 -> 3; p1 gathers chunk 1 3 -> 5, computes 5 -> 6; backward as before) + 2 s
+    # contention: 14. The next step can start at 14.5 (device optimizer 0.5 s), the
     # worker runs 14 -> 17, the deadline is 14.5 + 5 - 2 = 17.5: hidden. 14.5 s < 15 s on the
     # device. Prefetching chunk 1 (ready at 4) moves its deadline to 16.5: 15 s, so depth 0 wins.
     # Predicted 3.3% faster: offloaded when any gain counts, kept on the device under the default

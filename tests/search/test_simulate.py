@@ -167,7 +167,7 @@ def test_more_blocks_never_miss_more():
 
 def test_cache_persists_between_micro_batches_and_not_between_steps():
     model = chain_profile([[100], [100], [100]])
-    layout = build_layout(model, 100, 1)
+    layout = build_layout(model, 100, 2)
     all_blocks = simulate_gathers(layout, model, "all", 0, micro_batches=3)
     assert all_blocks.gathers == 3  # gathered once in the first micro-batch, kept for the other two
     one_block = simulate_gathers(layout, model, 1, 0, micro_batches=3)

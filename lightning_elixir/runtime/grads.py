@@ -1,0 +1,194 @@
+"""Gradients from autograd to the shards: arrivals, reductions, trainable parameters, unused ones.
+
+A post-accumulate-grad hook on every trainable parameter reports its arrival (protocol.py owns the
+hook; ``GradientFlow.arrived`` is what it does for gradients): autograd has accumulated the
+parameter's whole gradient into ``.grad`` in C++, and once a chunk has all of its gradients its
+reduction may start, in the fixed order of ``Reductions`` ([Note: gradients land per chunk] in
+chunk.py).
+
+[Note: trainable parameters can change]
+Users freeze and unfreeze parameters during training (a backbone unfrozen after some steps, a
+layer frozen once it has converged) by setting ``requires_grad``. The chunks, the hook units and
+the reductions all track which parameters get gradients, so at the start of every training
+iteration ``Trainable.refresh`` compares the flags with those it last saw (one pass over the
+parameters) and, when any changed, re-derives that tracking: each chunk's expected gradients and
+zero-filled gaps, each unit's backward waits, the reduction order, the hooks of newly trainable
+parameters and the ``requires_grad`` of the optimizer's shard views. The layout and the plan stay:
+a frozen parameter already has its gradient and master shards (zero gaps until it trains), but a
+plan searched for a partly frozen model counted no optimizer state for the frozen part, so a
+warning says that memory use may now exceed the plan's estimate. As in a single process, a
+parameter unfrozen mid-training is updated only by an optimizer that holds it (built over all
+parameters, or given it with ``add_param_group``).
+
+[Note: unused parameters]
+In a single process, or under DDP, a parameter that no forward used has ``.grad`` None after
+backward, and optimizers skip it: Adam's moments and step count do not move, weight decay does
+not apply. The reductions treat a missing gradient as zero (every rank must join every chunk's
+reduce-scatter), so before each optimizer step ``GradientFlow.settle_unused`` exchanges one flag
+per shard view (did this rank see its gradient since the shard was last overwritten), takes the
+maximum over the ranks, and sets the gradient of the views that no rank saw back to None. A
+parameter used on some ranks only keeps its gradient (the others contributed zero), exactly as
+DDP averages it. The exchange is one small all-reduce per optimizer step, which also compares what
+the ranks gathered ([Note: silent divergence] in collectives.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.chunk import Chunk
+from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.reductions import Reductions
+from lightning_elixir.runtime.table import ChunkTable
+
+log = logging.getLogger(__name__)
+
+
+class GradientFlow:
+    """One runtime's gradients: arrivals per chunk, the reductions, the shards the optimizer reads."""
+
+    def __init__(self, table: ChunkTable, offload: Any) -> None:
+        self.table = table
+        self.offload = offload
+        self.reductions = Reductions(table.chunks, offload, table.chunk_views)
+        self.hyperparameters_differ = False
+        """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
+
+    def arrived(self, chunk: Chunk, pid: int) -> None:
+        """A parameter of ``chunk`` has its gradient: start the reductions that are ready now."""
+        pending = chunk.pending_grads
+        pending.discard(pid)
+        if not pending:
+            self.reductions.start_ready()
+
+    def finish(self) -> None:
+        """End of backward: reduce what is left (missing gradients count as zero)."""
+        self.reductions.finish()
+
+    def valid(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s gradient shard holds this step's reduced gradient."""
+        return self.reductions.valid[chunk.index]
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shards, one per chunk that has trainable parameters."""
+        return [c.grad_shard for c in self.table.chunks if c.grad_requiring and self.reductions.valid[c.index]]
+
+    def forget(self) -> None:
+        """Gradients were zeroed: the next backward overwrites the shards; the views' gradients go."""
+        self.reductions.forget()
+        for view in self.table.views.values():
+            view.grad = None
+
+    def forget_grad(self, param: nn.Parameter) -> None:
+        """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
+        chunk, slot = self.table.where(param)
+        begin, end = chunk.shard_range(slot)
+        chunk.settle()
+        chunk.grad_shard[begin:end].zero_()
+        view = self.table.views.get(id(param))
+        if view is not None:
+            view.grad = None
+
+    def rebuild(self) -> None:
+        """The table's chunks changed (the module was detached from them)."""
+        self.reductions = Reductions(self.table.chunks, self.offload, self.table.chunk_views)
+
+    def settle_unused(self, optimizer: Any, group: Group, device: torch.device) -> None:
+        """Set to None the gradients of ``optimizer``'s shard views whose parameter no rank used
+        ([Note: unused parameters]).
+
+        The same all-reduce compares what the ranks gathered ([Note: silent divergence] in
+        collectives.py) and the optimizer's hyperparameters: an LR scheduler stepped on a metric each
+        rank computed alone (ReduceLROnPlateau on an unsynced loss) gives each rank its own lr, and each
+        rank would update its shard with it. Under DDP the replicas drift apart instead; neither is
+        what the user meant, so a warning says so, once."""
+        stepped = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        pairs = [(pid, view) for pid, view in self.table.views.items() if view.requires_grad and id(view) in stepped]
+        seen = self.reductions.seen
+        hyper = _hyperparameter_print(optimizer)
+        local = torch.tensor([float(pid in seen) for pid, _ in pairs] + [hyper, -hyper], dtype=torch.float32,
+                             device=device)
+        *used, high, neg_low = collectives.agreed_max(local, group)
+        if high != -neg_low and not self.hyperparameters_differ:
+            self.hyperparameters_differ = True
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            log.warning("rank %d: the optimizer's hyperparameters differ between ranks (here: %s), so each rank "
+                        "updates its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) "
+                        "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", group.rank,
+                        groups)
+        for (_, view), anywhere in zip(pairs, used):
+            if not anywhere:
+                view.grad = None
+
+
+def _hyperparameter_print(optimizer: Any) -> float:
+    """A fingerprint of the param groups' scalar hyperparameters (lr, betas, ...)."""
+    return collectives.fingerprint([sorted((k, v) for k, v in group.items() if isinstance(v, (bool, int, float, tuple)))
+                                    for group in optimizer.param_groups])
+
+
+class Trainable:
+    """The ``requires_grad`` flags of a table's parameters, and the hooks that follow them.
+
+    Args:
+        table: the chunks and their shard views.
+        make_hook: the post-accumulate-grad hook of one parameter, given its chunk and id.
+        on_change: called when the flags changed, after the chunks took them (the protocol re-derives
+            what its units wait for, the gradient flow its order).
+    """
+
+    def __init__(self, table: ChunkTable, make_hook: Callable[[Chunk, int], Callable],
+                 on_change: Callable[[], None]) -> None:
+        self.table = table
+        self.make_hook = make_hook
+        self.on_change = on_change
+        self.by_id: dict[int, tuple[nn.Parameter, Chunk]] = {id(s.param): (s.param, c) for c in table.chunks
+                                                              for s in c.slots}
+        self.flags = self._flags()
+        self._initially = self.flags
+        self._hooks: dict[int, Any] = {}
+        self._warned = False
+        self.hook_new()
+
+    def _flags(self) -> list[bool]:
+        return [p.requires_grad for p, _ in self.by_id.values()]
+
+    def hook_new(self) -> None:
+        """A post-accumulate-grad hook on every trainable parameter that has none yet."""
+        for pid, (p, chunk) in self.by_id.items():
+            if p.requires_grad and pid not in self._hooks:
+                self._hooks[pid] = p.register_post_accumulate_grad_hook(self.make_hook(chunk, pid))
+
+    def trainable_ids(self, param_ids: frozenset[int]) -> frozenset[int]:
+        """Those of ``param_ids`` that are trainable now and live in public chunks."""
+        return frozenset(pid for pid in param_ids if pid in self.by_id and self.by_id[pid][0].requires_grad
+                         and not self.by_id[pid][1].private)
+
+    def refresh(self) -> bool:
+        """Follow ``requires_grad`` changes since the last call; return whether any changed."""
+        flags = self._flags()
+        if flags == self.flags:
+            return False
+        self.flags = flags
+        for chunk in self.table.chunks:
+            chunk.track_trainable()
+        self.on_change()
+        self.hook_new()
+        for pid, view in self.table.views.items():
+            view.requires_grad_(self.by_id[pid][0].requires_grad)
+        if not self._warned and any(now and not before for now, before in zip(flags, self._initially)):
+            self._warned = True
+            log.warning("parameters that were frozen when the plan was made now train: the plan counted no "
+                        "gradients or optimizer state for them, so memory use may exceed its estimate")
+        return True
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
