@@ -50,6 +50,22 @@ def test_cuda_fp32_matches_plain_training(blocks):
     assert ours == pytest.approx(theirs, rel=1e-4)
 
 
+def test_cuda_blocks_compiled_with_inductor_train_as_plain_compiled_training():
+    """[Note: compiled models]: each block compiled in place, a gathering plan against no Elixir."""
+    torch.manual_seed(0)
+    ref = GPT(CONFIG).cuda()
+    model = copy.deepcopy(ref)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1 << 20, cache_blocks="min+1", prefetch_depth=1),
+                            device="cuda")
+    for m in (ref, model):
+        for block in m.h:
+            block.compile()
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ours = _train(model, runtime, opt, 5, autocast=False)
+    theirs = _train(ref, None, torch.optim.AdamW(ref.parameters(), lr=1e-3), 5, autocast=False)
+    assert ours == pytest.approx(theirs, rel=1e-4)
+
+
 def test_cuda_zero3_holds_less_than_zero2():
     peaks = {}
     for blocks in ("all", "min"):

@@ -255,6 +255,7 @@ class Chunk:
         """Take the parameters' ``requires_grad`` as it is now (at construction, or after it changed)."""
         self.trainable_slots = [s for s in self.slots if s.param.requires_grad]
         self.grad_requiring = {id(s.param) for s in self.trainable_slots}
+        self._view_cache: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
         self.reset_grad_tracking()
 
@@ -270,39 +271,56 @@ class Chunk:
     def grads_complete(self) -> bool:
         return not self.pending_grads
 
-    def take_grads(self) -> list[tuple[Slot, torch.Tensor]]:
-        """The gradients autograd accumulated into the trainable parameters' ``.grad``, which go back to None.
+    def take_grads(self) -> list[Optional[torch.Tensor]]:
+        """The gradients autograd accumulated into the trainable parameters' ``.grad`` (None where a
+        parameter got none), in ``trainable_slots`` order; the ``.grad``s go back to None.
 
         [Note: gradients land per chunk]
         Autograd accumulates each parameter's gradient into its ``.grad`` in C++; the runtime's hook
         per parameter only counts arrivals. When a chunk's reduction starts, all its gradients move
         into the reduction's buffer in one multi-tensor copy, averaged over the ranks as DDP's
-        buckets are: one Python call per chunk where there was one operator per parameter.
+        buckets are: one Python call per chunk where there was one operator per parameter. The
+        views of the buffer at the parameters' slots are made once for buffers that live on (the
+        gradient shard where it is the chunk, the reused CPU buffers).
         """
-        taken = []
+        taken: list[Optional[torch.Tensor]] = []
         with torch._C.DisableTorchFunctionSubclass():  # the parameters may be ChunkedParameters
             for slot in self.trainable_slots:
                 grad = slot.param.grad
                 if grad is not None:
                     slot.param.grad = None
-                    taken.append((slot, grad.to_dense() if grad.layout != torch.strided else grad))
+                    if grad.layout != torch.strided:
+                        grad = grad.to_dense()
+                taken.append(grad)
         return taken
 
-    def _fill(self, target: torch.Tensor, grads: list[tuple[Slot, torch.Tensor]], accumulate: bool) -> None:
+    def _views_into(self, target: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a chunk-sized ``target`` at the trainable slots (cached while ``target`` lives on)."""
+        for cached, views in self._view_cache:
+            if cached is target:
+                return views
+        views = [target[slot.offset:slot.end].view(slot.shape) for slot in self.trainable_slots]
+        if target is self.grad_shard or target.device.type == "cpu":  # kept alive anyway: the shard, the pool
+            self._view_cache = [*self._view_cache[-3:], (target, views)]
+        return views
+
+    def _fill(self, target: torch.Tensor, grads: list[Optional[torch.Tensor]], accumulate: bool) -> None:
         """Write (or add) ``grads`` into their slots of a chunk-sized ``target``; zero the trained slots
         that got none when overwriting (a trainable parameter unused this time: a zero gradient)."""
-        views = [target[slot.offset:slot.end].view(slot.shape) for slot, _ in grads]
+        views = self._views_into(target)
         with torch.no_grad():  # create_graph: the gradients carry a graph; the chunk's copy does not
-            values = [g.to(target.device) for _, g in grads]
-            if accumulate and views:
-                torch._foreach_add_(views, values)
-            elif not accumulate:
-                if views:
-                    torch._foreach_copy_(views, values)
-                got = {id(slot.param) for slot, _ in grads}
-                for slot in self.trainable_slots:
-                    if id(slot.param) not in got:
-                        target[slot.offset:slot.end].zero_()
+            got = [(v, g if g.device == target.device else g.to(target.device))
+                   for v, g in zip(views, grads) if g is not None]
+            if len(got) < len(views) and not accumulate:
+                for v, g in zip(views, grads):
+                    if g is None:
+                        v.zero_()
+            if got:
+                dst, src = [v for v, _ in got], [g for _, g in got]
+                if accumulate:
+                    torch._foreach_add_(dst, src)
+                else:
+                    torch._foreach_copy_(dst, src)
 
     def _new_grad_buffer(self) -> torch.Tensor:
         """An uninitialised buffer whose gaps (padding, frozen parameters) are zero."""

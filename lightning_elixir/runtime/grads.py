@@ -157,7 +157,8 @@ class Trainable:
         self.hook_new()
 
     def _flags(self) -> list[bool]:
-        return [p.requires_grad for p, _ in self.by_id.values()]
+        with torch._C.DisableTorchFunctionSubclass():  # an attribute read: no ChunkedParameter dispatch
+            return [p.requires_grad for p, _ in self.by_id.values()]
 
     def hook_new(self) -> None:
         """A post-accumulate-grad hook on every trainable parameter that has none yet."""

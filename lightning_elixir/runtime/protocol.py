@@ -442,11 +442,13 @@ class StepProtocol:
 
         def hook(param: torch.Tensor) -> None:
             with label("Elixir::post_accumulate_grad"):
-                self._backward_event()
-                unit = owner(pid)
-                if unit is not None and unit.calls and pid in unit.trainable:
-                    for call in list(unit.calls):
-                        self._call_event(call, pid)
+                if self._recomputing or self.phase is not Phase.BACKWARD:
+                    self._backward_event()
+                if not self.resident:  # a resident plan opens no backward calls
+                    unit = owner(pid)
+                    if unit is not None and unit.calls and pid in unit.trainable:
+                        for call in list(unit.calls):
+                            self._call_event(call, pid)
                 grads.arrived(chunk, pid)
 
         return hook

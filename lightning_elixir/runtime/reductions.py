@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from lightning_elixir.plan import REDUCE_BUFFERS
@@ -38,6 +39,8 @@ class Reductions:
         self.views = views
         self.valid = {c.index: False for c in chunks}
         """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
+        self._grad_targets: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        """Per chunk, its trainable optimizer views with their slices of the gradient shard (made once)."""
         self.seen: set[int] = set()
         """ids of the parameters that got a gradient on this rank since their shard was last overwritten
         ([Note: unused parameters] in grads.py)."""
@@ -49,6 +52,7 @@ class Reductions:
 
     def reorder(self) -> None:
         """The fixed order over the chunks that have trainable parameters now."""
+        self.views_changed()
         public = [c for c in self.chunks if not c.private]
         private = [c for c in self.chunks if c.private]
         self.order = [c for c in reversed(public) if c.grad_requiring] + [c for c in private if c.grad_requiring]
@@ -89,10 +93,8 @@ class Reductions:
             self.seen.difference_update(id(s.param) for s in chunk.slots)
         self.seen.update(chunk.grad_requiring - chunk.pending_grads)
         self.valid[chunk.index] = True
-        for slot, view in self.views(chunk):
-            if view.requires_grad:
-                begin, end = chunk.shard_range(slot)
-                view.grad = chunk.grad_shard[begin:end]
+        for view, grad in self._targets(chunk):
+            view.grad = grad
         chunk.reset_grad_tracking()
         self._next_retire += 1
 
@@ -100,5 +102,17 @@ class Reductions:
         """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
         if not self.valid[chunk.index]:
             return False
-        views = [v for _, v in self.views(chunk) if v.requires_grad]
-        return not views or any(v.grad is not None for v in views)
+        targets = self._targets(chunk)
+        return not targets or any(view.grad is not None for view, _ in targets)
+
+    def views_changed(self) -> None:
+        """Optimizer views were made, or which train changed: find each chunk's again when next needed."""
+        self._grad_targets.clear()
+
+    def _targets(self, chunk: Chunk) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        targets = self._grad_targets.get(chunk.index)
+        if targets is None:
+            targets = self._grad_targets[chunk.index] = [
+                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))])
+                for slot, view in self.views(chunk) if view.requires_grad]
+        return targets

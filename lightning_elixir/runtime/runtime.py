@@ -256,6 +256,7 @@ class ElixirRuntime:
         begin, end = chunk.shard_range(slot)
         view = nn.Parameter(chunk.master[begin:end], requires_grad=param.requires_grad)
         self.table.views[id(param)] = view
+        self.grads.reductions.views_changed()
         return view
 
     def shard_views(self) -> dict[int, nn.Parameter]:
@@ -333,7 +334,10 @@ class ElixirRuntime:
         Returns:
             The recorder; its ``timeline`` is complete once ``done`` (after ``optimizer.step()``).
         """
-        self.protocol.recorder = TimelineRecorder(self, budget_bytes)
+        self.protocol.recorder = TimelineRecorder(
+            self.table, self.cache, self.device, lambda: self.steps,
+            lambda: sum((0 if c.master is c.shard else c.master.nbytes) + self.optimizer_state_bytes(c)
+                        for c in self.chunks if not c.offloaded), budget_bytes)
         return self.protocol.recorder
 
     def _end_recorded_step(self) -> None:

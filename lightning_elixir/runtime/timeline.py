@@ -8,7 +8,7 @@ holds, as ``ElixirRuntime.memory_stats()`` counts them, so they are exact and ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -16,7 +16,8 @@ from lightning_elixir.runtime.states import ChunkState
 from lightning_elixir.timeline import MemoryTimeline, position_label
 
 if TYPE_CHECKING:
-    from lightning_elixir.runtime.runtime import ElixirRuntime
+    from lightning_elixir.runtime.cache import ChunkCache
+    from lightning_elixir.runtime.table import ChunkTable
 
 
 class TimelineRecorder:
@@ -32,8 +33,12 @@ class TimelineRecorder:
     activations, temporaries, module buffers); elsewhere they are left unknown.
     """
 
-    def __init__(self, runtime: "ElixirRuntime", budget_bytes: Optional[int] = None) -> None:
-        self.runtime = runtime
+    def __init__(self, table: "ChunkTable", cache: "ChunkCache", device: torch.device, steps: Callable[[], int],
+                 optimizer_bytes: Callable[[], int], budget_bytes: Optional[int] = None) -> None:
+        """``steps()``: the optimizer steps taken so far; ``optimizer_bytes()``: the separate masters and
+        optimizer state of the device chunks (asked again only after a step)."""
+        self.table, self.cache, self.device = table, cache, device
+        self._steps, self._optimizer_bytes_now = steps, optimizer_bytes
         self.budget_bytes = budget_bytes
         self.started = False
         """The recorded step has begun."""
@@ -41,7 +46,7 @@ class TimelineRecorder:
         """The recorded step has ended: ``timeline`` is complete."""
         self._recording = False
         self._micro_batches = 0
-        self._allocator = runtime.device.type == "cuda"
+        self._allocator = device.type == "cuda"
         self._optimizer: Optional[tuple[int, int]] = None
         self._labels: list[str] = []
         self._series: dict[str, list[int]] = {"params": [], "grads": [], "optimizer": [], "activations": []}
@@ -73,7 +78,7 @@ class TimelineRecorder:
         self._series["grads"].append(grads)
         self._series["optimizer"].append(optimizer)
         if self._allocator:
-            held = torch.cuda.memory_allocated(self.runtime.device)
+            held = torch.cuda.memory_allocated(self.device)
             # The allocator rounds every block up, so it never holds less than the runtime counts.
             self._series["activations"].append(max(held - params - grads - optimizer, 0))
 
@@ -84,15 +89,14 @@ class TimelineRecorder:
 
     def _params_bytes(self) -> int:
         """Parameter shards, gathered public chunks and gathered private chunks."""
-        rt = self.runtime
-        gathered = sum(c.block_bytes for c in rt.cache.gathered.values())
-        private = sum(c.block_bytes for c in rt.private if c.state is not ChunkState.FREE)
-        return sum(c.shard.nbytes for c in rt.chunks) + gathered + private
+        gathered = sum(c.block_bytes for c in self.cache.gathered.values())
+        private = sum(c.block_bytes for c in self.table.private if c.state is not ChunkState.FREE)
+        return sum(c.shard.nbytes for c in self.table.chunks) + gathered + private
 
     def _grads_bytes(self) -> int:
         """Device gradient shards, full gradient buffers, and the outputs of started reduce-scatters."""
         total = 0
-        for c in self.runtime.chunks:
+        for c in self.table.chunks:
             if not c.offloaded:
                 total += c.grad_shard.nbytes
             if c.grad_full is not None:
@@ -103,9 +107,7 @@ class TimelineRecorder:
 
     def _optimizer_bytes(self) -> int:
         """Separate masters and optimizer state of the device chunks (recounted after each optimizer step)."""
-        rt = self.runtime
-        if self._optimizer is None or self._optimizer[0] != rt.steps:
-            total = sum((0 if c.master is c.shard else c.master.nbytes) + rt.optimizer_state_bytes(c)
-                        for c in rt.chunks if not c.offloaded)
-            self._optimizer = (rt.steps, total)
+        steps = self._steps()
+        if self._optimizer is None or self._optimizer[0] != steps:
+            self._optimizer = (steps, self._optimizer_bytes_now())
         return self._optimizer[1]

@@ -623,6 +623,56 @@ class TinyGPT(TokenLM):
                                  lr=1e-2)
 
 
+class _GPTBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.fc, self.out = nn.Linear(n_embd, 2 * n_embd, bias=False), nn.Linear(2 * n_embd, n_embd, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, T, C = h.shape
+        q, k, v = self.qkv(self.ln1(h)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, T, C))
+        return h + self.out(F.gelu(self.fc(self.ln2(h))))
+
+
+class CompiledGPT(TokenLM):
+    """TinyGPT's shape with torch.compile: each block compiled in place (``block.compile()``, as torchtitan
+    does), or the whole forward. "aot_eager" traces through Dynamo and AOTAutograd, where hooks and
+    parameters meet the compiler, without the C++ build a CPU inductor kernel costs."""
+
+    def __init__(self, how: str, n_embd: int = 32, n_head: int = 2, n_layer: int = 2, block: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(self.vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.blocks = nn.ModuleList(_GPTBlock(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, self.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        if how == "blocks":
+            for blk in self.blocks:
+                blk.compile(backend="aot_eager")
+        else:
+            self._body = torch.compile(self._body, backend="aot_eager")
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for blk in self.blocks:
+            h = blk(h)
+        return self.lm_head(self.ln_f(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._body(x)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # batches and training_step idioms
 
@@ -1883,6 +1933,9 @@ CASES: list[Case] = [
            tol=DEEPSEEK_V3_ADAMW if kind == "deepseek_v3" else ADAM_NEAR_ZERO) for kind in _MORE_HF),
     # bf16-mixed
     Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
+    # torch.compile ([Note: compiled models] in runtime/hotpath.py)
+    Case("compiled_blocks_gpt", lambda: CompiledGPT("blocks"), token_data),
+    Case("compiled_forward_gpt", lambda: CompiledGPT("forward"), token_data),
     Case("bf16_mlp", SequentialMLP, cls_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
     Case("bf16_cnn_batchnorm", CNN, image_data, trainer=dict(precision="bf16-mixed"), tol=BF16,
          run=fit_then_validate),
