@@ -8,7 +8,11 @@
 #   offload  the same at 16 GB, where the model's states and activations do not all fit (the planner
 #            predicts 18.5 GiB for the all-device plan): the auto plan, Elixir's all-on-host plan, FSDP2
 #            with CPU offload, DeepSpeed ZeRO-3 offload, and DDP (expected to run out of memory);
-#   table    the offload benchmark's GPU table (not run by default).
+#   table    the offload benchmark's GPU table (not run by default);
+#   host     the host cost of the step protocol (not run by default; about 7 minutes): the 80 GB
+#            comparison of DDP, Elixir's ZeRO-2, ZeRO-3 and auto plans and FSDP2, then DDP and the auto
+#            plan with every block compiled ("+compile"), then torch.profiler's table of the hooks of
+#            ZeRO-2 (3 steps).
 # Usage (CUDA; the project importable from the repository root):
 #   bash examples/benchmarks/gpu_check.sh                 # tests, fits, offload: about 10 minutes
 #   bash examples/benchmarks/gpu_check.sh tests fits      # some parts, in the order given
@@ -65,7 +69,13 @@ for part in ${*:-tests fits offload}; do
     fits) harness fits 360 80GB elixir,elixir_zero2,elixir_zero3,ddp,fsdp2,deepspeed_zero2,deepspeed_zero3,fsdp ;;
     offload) harness offload 300 16GB elixir,elixir_offload,fsdp2_offload,ddp,deepspeed_zero3_offload ;;
     table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
-    *) echo "unknown part $part (tests, fits, offload, table)" ;;
+    host)
+      harness host 300 80GB ddp,elixir_zero2,elixir,elixir_zero3,fsdp2
+      harness host_compile 200 80GB ddp+compile,elixir+compile
+      timeout 100 "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
+        --budgets 80GB --profile elixir_zero2 --warmup 2 --profile-steps 3 --run-timeout 90 \
+        > "$out/hooks_profile.md" 2>&1; cat "$out/hooks_profile.md" ;;
+    *) echo "unknown part $part (tests, fits, offload, table, host)" ;;
   esac
   cp ~/.cache/lightning_elixir/*.json "$out/" 2> /dev/null  # the hardware profile plan="auto" measured
   pack

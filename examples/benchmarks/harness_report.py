@@ -9,7 +9,7 @@ import statistics
 from typing import Optional
 
 from examples.benchmarks.harness_rank import write_json
-from examples.benchmarks.harness_systems import ELIXIR_SYSTEMS
+from examples.benchmarks.harness_systems import ELIXIR_SYSTEMS, base_system
 
 
 def status_cell(row: dict, width: int = 90) -> str:
@@ -60,7 +60,7 @@ def markdown_table(args: argparse.Namespace, rows: list[dict]) -> str:
     for budget in args.budget_list:
         ok = [r for r in rows if r["budget"] == budget and r["status"] == "ok"]
         ddp = next((r for r in ok if r["system"] == "ddp"), None)
-        peer = max((r for r in ok if r["system"] not in ELIXIR_SYSTEMS), key=lambda r: r["tokens_per_s"], default=None)
+        peer = max((r for r in ok if base_system(r["system"]) not in ELIXIR_SYSTEMS), key=lambda r: r["tokens_per_s"], default=None)
         best_peers.append(f"{budget + ': ' if budget else ''}{peer['system'] if peer else 'none ran'}")
         for r in (r for r in rows if r["budget"] == budget):
             measured = _cells(r, ddp, peer, gpu)

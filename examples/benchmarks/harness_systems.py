@@ -10,6 +10,14 @@ from typing import Any, Optional
 
 ELIXIR_SYSTEMS = ("elixir", "elixir_zero2", "elixir_zero3", "elixir_offload")
 """The Elixir systems: the tables' best peer is the fastest system not among them."""
+COMPILED = "+compile"
+"""A system's name with this suffix runs the same system with every transformer block compiled in place
+(``block.compile()``, as torchtitan does), e.g. "ddp+compile"."""
+
+
+def base_system(system: str) -> str:
+    """The system without its ``COMPILED`` suffix."""
+    return system.removesuffix(COMPILED)
 WORKLOADS = {"gpt": "examples.gpt:GPTLightningModule", "llama": "examples.llama:LlamaLightningModule"}
 """Each workload's LightningModule ("module:class"), taking vocab_size, block_size, n_layer, n_head, n_embd."""
 
@@ -73,6 +81,15 @@ class HostAdamForDeepSpeed:
                                 adamw_mode=True)
 
 
+class CompiledBlocks:
+    """``configure_model``: whatever the system does there, then ``compile()`` every transformer block."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for block in transformer_blocks(self.model):
+            block.compile()
+
+
 MIXINS = {"fsdp2": FSDP2Blocks, "fsdp2_offload": FSDP2BlocksOffload, "deepspeed_zero3_offload": HostAdamForDeepSpeed}
 
 
@@ -97,6 +114,7 @@ def make_strategy(system: str, module: Any, devices: int, budget_bytes: Optional
     from lightning_elixir import ElixirStrategy
 
     elixir = dict(unshard_on_teardown=False)  # gathering the whole model at the end is no part of a step
+    system = base_system(system)
     match system:
         case "ddp":
             return "ddp"
@@ -149,8 +167,10 @@ def build_module(args: argparse.Namespace) -> Any:
     """The workload's LightningModule, with the system's mixin when it has one."""
     path, _, name = WORKLOADS[args.workload].partition(":")
     base = getattr(importlib.import_module(path), name)
-    mixin = MIXINS.get(args.worker)
-    cls = type(mixin.__name__ + base.__name__, (mixin, base), {}) if mixin else base
+    mixins = [CompiledBlocks] if args.worker.endswith(COMPILED) else []
+    if base_system(args.worker) in MIXINS:
+        mixins.append(MIXINS[base_system(args.worker)])
+    cls = type("".join(m.__name__ for m in mixins) + base.__name__, (*mixins, base), {}) if mixins else base
     extra = {"n_kv_head": args.n_kv_head} if args.workload == "llama" and args.n_kv_head else {}
     return cls(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                n_embd=args.n_embd, **extra)
