@@ -40,7 +40,7 @@ class Reductions:
         self.valid = {c.index: False for c in chunks}
         """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
         self._grad_targets: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-        """Per chunk, its trainable optimizer views with their slices of the gradient shard (made once)."""
+        """Per chunk, its optimizer views with their slices of the gradient shard (made once)."""
         self.seen: set[int] = set()
         """ids of the parameters that got a gradient on this rank since their shard was last overwritten
         ([Note: unused parameters] in grads.py)."""
@@ -94,7 +94,8 @@ class Reductions:
         self.seen.update(chunk.grad_requiring - chunk.pending_grads)
         self.valid[chunk.index] = True
         for view, grad in self._targets(chunk):
-            view.grad = grad
+            if view.requires_grad:  # read now: Lightning's toggle_optimizer sets it on the views mid-step
+                view.grad = grad
         chunk.reset_grad_tracking()
         self._next_retire += 1
 
@@ -102,17 +103,16 @@ class Reductions:
         """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
         if not self.valid[chunk.index]:
             return False
-        targets = self._targets(chunk)
-        return not targets or any(view.grad is not None for view, _ in targets)
+        views = [view for view, _ in self._targets(chunk) if view.requires_grad]
+        return not views or any(view.grad is not None for view in views)
 
     def views_changed(self) -> None:
-        """Optimizer views were made, or which train changed: find each chunk's again when next needed."""
+        """Optimizer views were made: find each chunk's again when next needed."""
         self._grad_targets.clear()
 
     def _targets(self, chunk: Chunk) -> list[tuple[nn.Parameter, torch.Tensor]]:
         targets = self._grad_targets.get(chunk.index)
         if targets is None:
             targets = self._grad_targets[chunk.index] = [
-                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))])
-                for slot, view in self.views(chunk) if view.requires_grad]
+                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))]) for slot, view in self.views(chunk)]
         return targets
