@@ -442,8 +442,7 @@ class StepProtocol:
 
         def hook(param: torch.Tensor) -> None:
             with label("Elixir::post_accumulate_grad"):
-                if self._recomputing or self.phase is not Phase.BACKWARD:
-                    self._backward_event()
+                self._backward_event()
                 if not self.resident:  # a resident plan opens no backward calls
                     unit = owner(pid)
                     if unit is not None and unit.calls and pid in unit.trainable:

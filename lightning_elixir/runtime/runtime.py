@@ -194,10 +194,6 @@ class ElixirRuntime:
         """The hook unit that owns ``param``."""
         return self.table.owner(param)
 
-    def grad_valid(self, chunk: Chunk) -> bool:
-        """Whether ``chunk``'s gradient shard holds this step's reduced gradient."""
-        return self.grads.valid(chunk)
-
     def param_ids(self) -> set[int]:
         """ids of every parameter the chunks hold."""
         return self.table.param_ids()
