@@ -185,16 +185,18 @@ class Chunk:
         self._move(ChunkState.FREE)
         if self.exposed:
             self.write_back()
-        for slot, placeholder in zip(self.slots, self._placeholders):
-            slot.param.data = placeholder
+        with torch._C.DisableTorchFunctionSubclass():  # a ChunkedParameter's ``.data =`` reads nothing
+            for slot, placeholder in zip(self.slots, self._placeholders):
+                slot.param.data = placeholder
         self.bound = False
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
 
     def bind_views(self) -> None:
         """Point each parameter's data at its view of the gathered block."""
-        for slot in self.slots:
-            slot.param.data = slot.view
+        with torch._C.DisableTorchFunctionSubclass():  # as in release: no ChunkedParameter dispatch per slot
+            for slot in self.slots:
+                slot.param.data = slot.view
         self.bound = True
 
     def write_back(self) -> None:
