@@ -79,7 +79,8 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
         return plan.chunks
     full = [(n, p.numel()) for n, p in named if n in set(full_precision) and n not in shared]
     own = {n for n, _ in full}
-    chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | own])
+    chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | own],
+                                                         world_size)
     specs = pack_chunks([(n, p.numel()) for n, p in named if n not in own], chunk_numel, world_size, shared)
     if not full:
         return specs

@@ -113,7 +113,7 @@ def layout_from_plan(plan: ElixirPlan, model: ModelProfile) -> Layout:
     if not plan.chunks:
         # As the runtime packs it, except in the profile's first-use order, not registration order.
         private = set(private_names(model))
-        default = default_chunk_numel([p.numel for p in model.params if p.name not in private])
+        default = default_chunk_numel([p.numel for p in model.params if p.name not in private], plan.world_size or 1)
         return build_layout(model, plan.chunk_numel or default, plan.world_size or 1)
     covered = {name for spec in plan.chunks for name in spec.params}
     names = {p.name for p in model.params}

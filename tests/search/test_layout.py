@@ -109,3 +109,33 @@ def test_gradients_land_after_the_recomputation_their_backward_waits_for():
     assert grad_positions(model) == {"p0": 5, "p1a": 4}  # p1b is frozen
     layout = Layout((ChunkSpec(("p0",), 64), ChunkSpec(("p1a", "p1b"), 128)), 1, 128, 192)
     assert reduce_positions(layout, model) == (5, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 3_000_000), min_size=1, max_size=60), st.sampled_from([1, 2, 3, 8]))
+def test_default_chunk_capacity_packs_as_few_chunks_with_little_padding(numels, world_size):
+    from lightning_elixir.plan import (DEFAULT_CHUNK_NUMEL, DEFAULT_MIN_CHUNK_NUMEL, DEFAULT_MIN_CHUNKS,
+                                       chunk_used_numel, default_chunk_numel, round_up)
+
+    order = [(f"p{i}", n) for i, n in enumerate(numels)]
+    capacity = default_chunk_numel(numels, world_size)
+    used = chunk_used_numel(numels)
+    target = max(max(numels), min(DEFAULT_CHUNK_NUMEL, max(DEFAULT_MIN_CHUNK_NUMEL, -(-used // DEFAULT_MIN_CHUNKS))))
+    balanced, unbalanced = pack_chunks(order, capacity, world_size), pack_chunks(order, target, world_size)
+    assert {p for c in balanced for p in c.params} == {name for name, _ in order}
+    assert len(balanced) <= len(unbalanced)  # as many collectives as the target size gives, no more
+    assert round_up(capacity, world_size) <= round_up(target, world_size)
+    # One rounding step smaller, it would need another chunk: the capacity is the least that packs this way.
+    smaller = round_up(capacity, world_size) - world_size
+    if smaller >= max(numels):
+        assert len(pack_chunks(order, smaller, world_size)) > len(balanced)
+
+
+def test_default_capacity_balances_a_model_just_over_one_chunk():
+    from lightning_elixir.plan import DEFAULT_MIN_CHUNK_NUMEL, default_chunk_numel
+
+    numels = [4096] * 300  # 1.23M elements: two chunks of the minimum size would be 40% padding
+    capacity = default_chunk_numel(numels)
+    chunks = pack_chunks([(f"p{i}", n) for i, n in enumerate(numels)], capacity, 1)
+    assert len(chunks) == 2 and capacity < 0.7 * DEFAULT_MIN_CHUNK_NUMEL
+    assert sum(c.numel for c in chunks) <= sum(numels) + 2 * 4096
