@@ -379,7 +379,10 @@ class StepProtocol:
             self._leave(self._recomputing.pop())
 
     def _wrap_inputs(self, call: BackwardCall, args: tuple, kwargs: dict) -> Optional[tuple]:
-        flat, spec = tree_flatten((args, kwargs))
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # ``block(x)``: no pytree walk
+            flat, spec = list(args), None
+        else:
+            flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return None
@@ -387,11 +390,12 @@ class StepProtocol:
         wrapped = _PostBackward.apply(lambda: self._call_event(call, Wait.INPUTS), *(flat[i] for i in positions))
         for i, t in zip(positions, wrapped):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
     def _hook_pre_backward(self, output: Any, fire: Callable[[], Any]) -> None:
         """``fire()`` once per backward, when the first gradient reaches any of ``output``'s tensors."""
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        flat = [output] if type(output) is torch.Tensor else tree_flatten(output)[0]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
         fired = [-1]
