@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Generator, Iterable, Mapping
@@ -44,6 +45,7 @@ from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group, agreed_max
+from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
@@ -67,6 +69,12 @@ def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optio
         raise ValueError(f"{name}={limit!r} is used by plan='auto' to choose a plan and has no effect on {fixed}: "
                          "remove it, or use plan='auto'")
     return limit
+
+
+def _holds_meta(module: Any) -> bool:
+    """Whether ``module`` still has meta tensors (setup failed before materialising them): moving it would
+    raise over the error that stopped the run."""
+    return module is not None and any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _refuse_unsupported_callbacks(trainer: Any) -> None:
@@ -210,6 +218,8 @@ class ElixirStrategy(ParallelStrategy):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
+        self._deferred: list[InitRecord] = []
+        """Recordings of the builds under this strategy's init contexts, until setup replays them."""
         self.replan = replan
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
@@ -290,14 +300,25 @@ class ElixirStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+        with (self._deferred_build() if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # configure_model() builds on the meta device; setup materialises chunk by chunk.
-        with torch.device("meta"):
+        # configure_model() builds without memory; setup materialises chunk by chunk.
+        with self._deferred_build():
+            yield
+
+    @contextmanager
+    def _deferred_build(self) -> Generator[None, None, None]:
+        """Meta tensors whose real values setup replays ([Note: deferred initialisation] in runtime/deferred.py)."""
+        try:
+            device = self.root_device
+        except Exception:  # before the accelerator is known (Trainer.init_module before fit)
+            device = torch.device("cpu")
+        with record_init(device) as record:
+            self._deferred.append(record)
             yield
 
     @override
@@ -323,10 +344,11 @@ class ElixirStrategy(ParallelStrategy):
         placed = ", ".join(f"{sum(c.placement == p for c in plan.chunks)} {p}" for p in ("device", "cpu", "nvme"))
         rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
                        f"prefetch_depth={plan.prefetch_depth}" + (f", sharded state: {placed}" if plan.offloads else ""))
+        deferred, self._deferred = self._deferred, []  # replayed into this model's chunks, then not needed
         return ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
                              group=self._group(), private_params=self.private_params,
                              grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
-                             nvme_path=self.nvme_path)
+                             nvme_path=self.nvme_path, deferred=deferred)
 
     @property
     def may_replan(self) -> bool:
@@ -543,7 +565,7 @@ class ElixirStrategy(ParallelStrategy):
         elif self.runtime is not None and self.unshard_on_teardown:
             self.runtime.restore_module()
             self.runtime = self.precision_plugin.runtime = None
-        if self.runtime is None:
+        if self.runtime is None and not _holds_meta(self.lightning_module):
             super().teardown()  # moves the (plain) module to the CPU, as for DDP; checkpoint_io too
         else:
             self.precision_plugin.teardown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -169,14 +170,16 @@ class _Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_one_process(strategy) -> tuple[L.Trainer, _Linear]:
-    torch.manual_seed(0)
-    model = _Linear()
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+def _fit_one_process(strategy, empty_init: bool = False) -> tuple[L.Trainer, _Linear]:
     # the same batches under every strategy: no DistributedSampler (it reorders them)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
+        model = _Linear()
+    assert model.layer.weight.is_meta == empty_init
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
     return trainer, model
 
@@ -196,6 +199,13 @@ def test_teardown_gives_the_module_back_or_keeps_the_shards_when_asked():
         sharded.layer.weight.sum()
     with trainer.strategy.gathered_params():
         torch.testing.assert_close(sharded.layer.weight.detach(), reference.layer.weight.detach())
+
+
+def test_a_model_built_without_memory_starts_from_the_weights_of_a_real_build():
+    _, reference = _fit_one_process("auto")
+    _, deferred = _fit_one_process(ElixirStrategy(plan="zero3"), empty_init=True)
+    torch.testing.assert_close(deferred.layer.weight, reference.layer.weight, rtol=0, atol=0)
+    torch.testing.assert_close(deferred.layer.bias, reference.layer.bias, rtol=0, atol=0)
 
 
 def _placed(placements: tuple[str, ...]) -> ElixirPlan:
@@ -259,3 +269,38 @@ def test_validation_with_several_uneven_dataloaders_completes(tmp_path):
     metrics = trainer.callback_metrics
     assert {"val_loss_0", "val_loss_1"} <= set(metrics)
     assert all(torch.isfinite(metrics[k]) for k in ("val_loss_0", "val_loss_1"))
+
+
+class _Table(torch.nn.Module):
+    """A buffer its __init__ computes, and no reset_parameters() to compute it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(2.0))
+
+
+class _MetaOutsideTheStrategy(L.LightningModule):
+    """Builds part of its model on the plain meta device itself, where nothing records its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.layer = torch.nn.Linear(4, 2)
+            self.scale = _Table()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x) * self.scale.table, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_unmaterialisable_meta_module_fails_with_its_own_error():
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ElixirStrategy(plan="zero3"), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    # Not "Cannot copy out of meta tensor" from teardown moving the half-built module to the CPU.
+    with pytest.raises(TypeError, match="_Table has meta buffers but no reset_parameters"):
+        trainer.fit(_MetaOutsideTheStrategy(), torch.utils.data.DataLoader(data, batch_size=4))

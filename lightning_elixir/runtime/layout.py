@@ -2,8 +2,10 @@
 
 [Note: materialisation]
 Chunks are filled one at a time in a staging buffer of the master dtype: real parameters are
-copied in; parameters on the meta device are pointed at the staging buffer and initialised by
-their module's ``reset_parameters()``. The staging buffer is broadcast from rank 0 (so every rank
+copied in; parameters on the meta device get the values a real build would have given them,
+replayed from the build's recording ([Note: deferred initialisation] in deferred.py), or, when
+they were made outside one, are pointed at the staging buffer and initialised by their module's
+``reset_parameters()``. The staging buffer is broadcast from rank 0 (so every rank
 starts from rank 0's weights, as DDP does), each rank keeps its shard, and the buffer is dropped
 before the next chunk: no rank ever holds more than a few chunks of the model at once.
 """
@@ -11,7 +13,7 @@ before the next chunk: no rank ever holds more than a few chunks of the model at
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -28,6 +30,7 @@ from lightning_elixir.plan import (
 )
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.deferred import InitRecord, recording_of
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.policy import PrecisionPolicy
 
@@ -110,10 +113,11 @@ def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]],
 
 def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, device: torch.device,
                  policy: PrecisionPolicy, full_precision: Iterable[str] = (), values: bool = True,
-                 aliased: bool = False) -> list[Chunk]:
+                 aliased: bool = False, deferred: Sequence[InitRecord] = ()) -> list[Chunk]:
     """Create every chunk, materialise and shard its parameters, and leave it released.
 
     ``aliased``: the chunks' shards are their gathered blocks ([Note: a world of one] in chunk.py).
+    ``deferred``: the recordings of the builds that made meta parameters ([Note: materialisation]).
 
     A chunk holding a parameter named in ``full_precision`` computes in the master dtype. With
     ``values=False`` the parameters' values are neither read nor initialised: the chunks start at
@@ -134,7 +138,7 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
                             state_device=state_device, pin_memory=device.type == "cuda", aliased=aliased))
     if values:
-        _materialize(module, chunks, group, policy.master_dtype)
+        _materialize(module, chunks, group, policy.master_dtype, deferred)
     else:
         for chunk in chunks:
             chunk.bind_views()
@@ -153,13 +157,15 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
         stub = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape) if p.dim() else torch.empty((), dtype=p.dtype, device=device)
         real = nn.Parameter(stub, requires_grad=p.requires_grad)
         real._elixir_meta_shape = p.shape  # type: ignore[attr-defined]
+        real._elixir_meta_source = p  # type: ignore[attr-defined]  # what a recording knows it by
         for _, mod in owners[id(p)]:
             for key, value in mod._parameters.items():
                 if value is p:
                     mod._parameters[key] = real
 
 
-def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dtype: torch.dtype) -> None:
+def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dtype: torch.dtype,
+                 deferred: Sequence[InitRecord]) -> None:
     where = {id(s.param): (chunk, s) for chunk in chunks for s in chunk.slots}
     staging: dict[int, torch.Tensor] = {}
     initialised: set[int] = set()
@@ -167,7 +173,12 @@ def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dt
     for chunk in chunks:
         stage = staging.setdefault(chunk.index, _new_stage(chunk, master_dtype))
         for slot in chunk.slots:
-            if hasattr(slot.param, "_elixir_meta_shape"):
+            source = getattr(slot.param, "_elixir_meta_source", None)
+            record = None if source is None else recording_of(source, deferred)
+            if record is not None:
+                stage[slot.offset:slot.end].copy_(record.materialize(source).reshape(-1))
+                del slot.param._elixir_meta_shape, slot.param._elixir_meta_source
+            elif source is not None:
                 for _, mod in owners[id(slot.param)]:
                     _init_meta_module(mod, where, staging, initialised, master_dtype)
             else:
@@ -185,8 +196,10 @@ def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: s
         return
     initialised.add(id(mod))
     if not hasattr(mod, "reset_parameters"):
-        raise TypeError(f"{type(mod).__name__} was created on the meta device but has no reset_parameters(); "
-                        "add one that initialises its own parameters, or create the model without empty_init")
+        raise TypeError(f"{type(mod).__name__} was created on the meta device but has no reset_parameters(); build "
+                        "it in configure_model() (or under trainer.init_module(empty_init=True)), where the strategy "
+                        "records the build and gives every tensor the values a real build would, or create it "
+                        "on a real device, or add a reset_parameters() that initialises its own parameters")
     for p in mod._parameters.values():
         if p is None:
             continue
@@ -200,7 +213,7 @@ def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: s
         mod.reset_parameters()
     for p in mod._parameters.values():
         if p is not None and hasattr(p, "_elixir_meta_shape"):
-            del p._elixir_meta_shape
+            del p._elixir_meta_shape, p._elixir_meta_source
 
 
 def _finalize_chunk(chunk: Chunk, stage: torch.Tensor, group: Group) -> None:
@@ -213,18 +226,25 @@ def _finalize_chunk(chunk: Chunk, stage: torch.Tensor, group: Group) -> None:
     chunk.bind_views()
 
 
-def materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    """Move buffers to ``device``; initialise meta buffers of parameter-free modules."""
+def materialize_buffers(module: nn.Module, device: torch.device, deferred: Sequence[InitRecord] = ()) -> None:
+    """Move buffers to ``device``; give meta buffers the values their build's recording replays, else
+    initialise those of parameter-free modules with ``reset_parameters()``."""
     for mod in module.modules():
         has_meta = False
         for key, buf in mod._buffers.items():
             if buf is None:
                 continue
+            record = recording_of(buf, deferred) if buf.is_meta else None
+            if record is not None:
+                mod._buffers[key] = record.materialize(buf).to(device)
+                continue
             has_meta |= buf.is_meta
             mod._buffers[key] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
         if has_meta and not any(p is not None for p in mod._parameters.values()):
             if not hasattr(mod, "reset_parameters"):
-                raise TypeError(f"{type(mod).__name__} has meta buffers but no reset_parameters() to initialise them")
+                raise TypeError(f"{type(mod).__name__} has meta buffers but no reset_parameters() to initialise them; "
+                                "build it in configure_model() (or under trainer.init_module(empty_init=True)), "
+                                "where the strategy records the build and replays it, or create it on a real device")
             mod.reset_parameters()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -17,6 +17,7 @@ from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
 from lightning_elixir.runtime.chunk import Chunk, GradBuffers, Slot
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.deferred import InitRecord
 from lightning_elixir.runtime.grads import GradientFlow
 from lightning_elixir.runtime.layout import build_chunks, materialize_buffers, resolve_specs
 from lightning_elixir.runtime.offload import OffloadEngine, check_nvme_path_given
@@ -69,13 +70,16 @@ class ElixirRuntime:
         nvme_buffers: host page buffers NVMe records are paged through.
         values: False to leave the parameters' values unread and the chunks at zero, for a caller
             that fills the master shards itself (re-chunking, ``runtime.replan.switch_plan``).
+        deferred: the recordings of the builds that made the module's meta tensors
+            (``runtime.deferred.record_init``); their values are replayed at materialisation.
     """
 
     def __init__(self, module: nn.Module, plan: Optional[ElixirPlan] = None, *, device: Union[str, torch.device] = "cpu",
                  policy: Optional[PrecisionPolicy] = None, compute_dtype: Optional[torch.dtype] = None,
                  master_dtype: Optional[torch.dtype] = None, group: Optional[Group] = None,
                  private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True,
-                 nvme_path: Optional[str] = None, nvme_buffers: int = 3, values: bool = True) -> None:
+                 nvme_path: Optional[str] = None, nvme_buffers: int = 3, values: bool = True,
+                 deferred: Sequence[InitRecord] = ()) -> None:
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
@@ -92,9 +96,9 @@ class ElixirRuntime:
         n_public = sum(not spec.private for spec in specs)
         self.resident = stays_gathered(capacity, n_public, offloads=any(s.placement != "device" for s in specs))
         """Whether every chunk stays gathered ([Note: resident plans] in protocol.py)."""
-        materialize_buffers(module, self.device)
+        materialize_buffers(module, self.device, deferred)
         chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values,
-                              aliased=self.resident and self.group.world_size == 1)
+                              aliased=self.resident and self.group.world_size == 1, deferred=deferred)
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
         self.grad_buffers = GradBuffers()

@@ -1062,10 +1062,23 @@ _MORE_HF: dict[str, Callable[[Any], tuple[Any, Any]]] = {
 
 
 class HFModel(TokenLM):
-    def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False) -> None:
         super().__init__()
+        self.kind, self.dropout, self.ckpt = kind, dropout, ckpt
+        self.model: Optional[nn.Module] = None
+        if not in_configure_model:
+            self._build()
+
+    def configure_model(self) -> None:
+        """Built here (``in_configure_model``), the model is created under the strategy's init context:
+        the meta device for Elixir, which must start from the weights DDP's real build gives."""
+        if self.model is None:
+            self._build()
+
+    def _build(self) -> None:
         import transformers as tr
 
+        kind, dropout, ckpt = self.kind, self.dropout, self.ckpt
         p = 0.1 if dropout else 0.0
         if kind == "gpt2":
             config = tr.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
@@ -1090,7 +1103,6 @@ class HFModel(TokenLM):
                                    hidden_dropout_prob=p, attention_probs_dropout_prob=p)
             cls = tr.BertForMaskedLM
         config._attn_implementation = "eager"
-        self.kind = kind
         self.model = cls(config)
         if ckpt:
             self.model.gradient_checkpointing_enable()
@@ -1809,8 +1821,9 @@ class FunctionalCall(Classifier):
 # the catalog
 
 
-def _hf(kind: str, dropout: bool = False, ckpt: bool = False) -> Callable[[], L.LightningModule]:
-    return lambda: HFModel(kind, dropout, ckpt)
+def _hf(kind: str, dropout: bool = False, ckpt: bool = False,
+        in_configure_model: bool = False) -> Callable[[], L.LightningModule]:
+    return lambda: HFModel(kind, dropout, ckpt, in_configure_model)
 
 
 def _ema_extras(cbs: list[Callback]) -> dict:
@@ -1969,6 +1982,10 @@ CASES: list[Case] = [
     Case("accumulation_uneven_epoch_end", SequentialMLP, lambda: cls_data(n=24), trainer=dict(accumulate_grad_batches=2)),
     Case("fp16_mixed_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-mixed")),
     Case("hf_gpt2_gradient_checkpointing", _hf("gpt2", ckpt=True), token_data, requires="transformers"),
+    # built in configure_model: on the meta device under Elixir, materialised with DDP's initial weights
+    Case("hf_llama_configure_model", _hf("llama", in_configure_model=True), token_data, requires="transformers",
+         tol=ADAM_NEAR_ZERO),
+    Case("hf_gpt2_configure_model", _hf("gpt2", in_configure_model=True), token_data, requires="transformers"),
     Case("sharpness_aware_minimization", SAM, cls_data),
     Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
     Case("gradient_norm_penalty_on_parameters", ParamGradPenalty, cls_data),

@@ -1,0 +1,280 @@
+"""Deferred initialisation: build a model without its memory, then give each tensor the values a real build would have.
+
+[Note: deferred initialisation]
+``configure_model`` builds the model under the strategy's init context, which must not allocate
+it: a model that needs sharding does not fit on one device (nor, per rank, in host memory). On
+the plain meta device every tensor has a shape and no values, so each module had to be
+initialised again at materialisation by its ``reset_parameters()``, which (a) many modules lack
+(Hugging Face's Conv1D, rotary embeddings whose buffers their ``__init__`` computes), (b) is not
+the model's own scheme (a Hugging Face model re-initialises every module in ``post_init`` with
+``normal(0, initializer_range)``; that step even skips itself when it sees the meta device), and
+(c) draws random numbers in another order than the real build, so even where it is the right
+scheme the weights differ from those DDP starts from under the same seed.
+
+So the build runs under ``record_init``: a dispatch mode that turns every tensor factory into a
+meta tensor and records, in order, every operation that touches a meta tensor, with the random
+generator's state before each random operation. Nothing believes it is on the meta device (the
+default device stays what the real build's is, so Hugging Face initialises as usual). To keep the
+generator's stream where the real build would leave it, each random operation is also run once on
+a scratch tensor of the same size on the real device and dropped: later draws (the user's own, the
+data order) then match a real build's too.
+
+At materialisation ``InitRecord.materialize(t)`` replays only what ``t``'s final values depend on
+(the operations that created or wrote its storage, and recursively what those read, each as of
+its own position in the recording), on the real device, with each random operation's generator
+state restored (and the generator's own state put back afterwards). The result is bit-identical
+to the tensor a real build would have made, while at most one parameter's history is alive at a
+time. An operation that needs real values during the build (``.item()`` on a tensor the build
+computed) gets them by the same replay, on the spot. A meta tensor the recording does not know
+(created under a plain ``torch.device("meta")``) is left to the module's ``reset_parameters()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_META = torch.device("meta")
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]
+    """The meta tensors it returned."""
+    rng: Optional[tuple[torch.Generator, torch.Tensor]]
+    """For a random operation: the generator it drew from and that generator's state before it."""
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"  # not ``is_meta``, which a tensor of a build in progress denies
+
+
+class _Deferred(torch.Tensor):
+    """A meta tensor of a build in progress, which says it is not one.
+
+    ``torch.nn.init``'s trunc_normal_, orthogonal_, sparse_ and dirac_ return at once for a meta
+    tensor ("sampling is a no-op"), so a build on the meta device would record no initialisation
+    for them. Only ``is_meta`` changes; ``record_init`` turns these back into plain tensors and
+    parameters when the build ends.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_meta(self) -> bool:  # type: ignore[override]
+        return False
+
+
+def _key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (shared by its views)."""
+    return t.untyped_storage()._cdata
+
+
+def _metas(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and _is_meta(t)]
+
+
+class InitRecord:
+    """The operations of one deferred build, and the replay of any tensor they made ([Note: deferred initialisation]).
+
+    Args:
+        device: where the real build would have made the tensors (its random generator is the one the
+            recording keeps in step, and the replay's results live there).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.ops: list[_Op] = []
+        self._producer: dict[int, int] = {}
+        """id of a meta tensor an operation returned -> that operation."""
+        self._creator: dict[int, int] = {}
+        """storage -> the operation that allocated it."""
+        self._writers: dict[int, list[int]] = defaultdict(list)
+        """storage -> the operations that wrote to it, in order."""
+        self._bases: dict[int, torch.Tensor] = {}
+        """storage -> the tensor its creator returned (views of it are rebuilt from its replay)."""
+        self._generators: dict[int, torch.Generator] = {}
+        """The generators random operations drew from (their states are put back after a replay)."""
+
+    def knows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a meta tensor made by this recording."""
+        return _is_meta(t) and _key(t) in self._creator
+
+    # ---- recording ----------------------------------------------------------------------------
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        outputs = _metas(out)
+        if not outputs and not _metas((args, kwargs)):
+            return
+        index = len(self.ops)
+        rng = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            generator = kwargs.get("generator") or _default_generator(self.device)
+            self._generators[id(generator)] = generator
+            rng = (generator, generator.get_state())
+            _advance(func, args, kwargs, self.device)
+        self.ops.append(_Op(func, args, kwargs, outputs, rng))
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                for t in _metas(value):
+                    self._writers[_key(t)].append(index)
+        for t in outputs:
+            self._producer[id(t)] = index
+            if _key(t) not in self._creator:
+                self._creator[_key(t)] = index
+                self._bases[_key(t)] = t
+
+    # ---- replay -------------------------------------------------------------------------------
+
+    def materialize(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with the values a real build would have given it, on ``device`` (a new tensor)."""
+        return self._replay([t])[0].clone()
+
+    def _replay(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        needed = self._slice(tensors)
+        env: dict[int, torch.Tensor] = {}
+        saved = [(g, g.get_state()) for g in self._generators.values()]
+        try:
+            with torch.no_grad():
+                for index in sorted(needed):
+                    op = self.ops[index]
+                    if op.rng is not None:
+                        op.rng[0].set_state(op.rng[1])
+                    real = lambda v: self._real(v, env) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                    args, kwargs = tree_map(real, op.args), tree_map(real, op.kwargs)
+                    if kwargs.get("device") == _META:
+                        kwargs["device"] = self.device
+                    result = op.func(*args, **kwargs)
+                    for meta, value in zip(op.outputs, _flat_tensors(result)):
+                        env[id(meta)] = value
+        finally:
+            for generator, state in saved:
+                generator.set_state(state)
+        return [self._real(t, env) for t in tensors]
+
+    def _real(self, t: torch.Tensor, env: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The replayed counterpart of a meta tensor (a view of its storage's replayed base if it was
+        made without an operation, as ``nn.Parameter(t)`` is)."""
+        if not _is_meta(t):
+            return t
+        if id(t) in env:
+            return env[id(t)]
+        base = env.get(id(self._bases.get(_key(t))))
+        if base is None:
+            raise RuntimeError(f"a meta tensor of shape {tuple(t.shape)} was not made by this recording")
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def _slice(self, tensors: list[torch.Tensor]) -> set[int]:
+        """The operations the final values of ``tensors`` depend on."""
+        needed: set[int] = set()
+        seen: set[tuple[int, int]] = set()
+        stack = [(t, math.inf) for t in tensors]
+        while stack:
+            t, before = stack.pop()
+            if not _is_meta(t):
+                continue
+            key = _key(t)
+            if (id(t), before) in seen:
+                continue
+            seen.add((id(t), before))
+            if key not in self._creator:
+                raise RuntimeError(f"a meta tensor of shape {tuple(t.shape)} was not made by this recording")
+            found = [self._creator[key]]
+            if id(t) in self._producer:
+                found.append(self._producer[id(t)])
+            found += [w for w in self._writers[key] if w < before]
+            for index in found:
+                if index in needed:
+                    continue
+                needed.add(index)
+                op = self.ops[index]
+                stack += [(u, index) for u in _metas((op.args, op.kwargs))]
+        return needed
+
+
+def _flat_tensors(result: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _advance(func: Any, args: tuple, kwargs: dict, device: torch.device) -> None:
+    """Draw what ``func`` draws on ``device`` into scratch tensors, so that the generator moves as in a real build."""
+    scratch = lambda v: torch.empty(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor) and _is_meta(v) else v  # noqa: E731
+    args, kwargs = tree_map(scratch, args), tree_map(scratch, kwargs)
+    if kwargs.get("device") == _META:
+        kwargs["device"] = device
+    with torch.no_grad():
+        func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    """Tensor factories make meta tensors; operations that touch them are recorded."""
+
+    def __init__(self, record: InitRecord) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and not _flat_tensors((args, kwargs)):  # a factory: empty, zeros, arange, randn...
+            kwargs["device"] = _META  # replayed on the record's device, where the real build makes its tensors
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError):
+            if not _metas((args, kwargs)):
+                raise
+            # Needs values (``.item()``, a data-dependent shape): compute them now from the recording.
+            metas = _metas((args, kwargs))
+            values = dict(zip(map(id, metas), self.record._replay(metas)))
+            real = lambda v: values.get(id(v), v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            return func(*tree_map(real, args), **tree_map(real, kwargs))
+        out = tree_map(_disguise, out)
+        self.record.record(func, args, kwargs, out)
+        return out
+
+
+def _disguise(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and _is_meta(value) and type(value) is torch.Tensor:
+        return value.as_subclass(_Deferred)
+    return value
+
+
+def _reveal(t: torch.Tensor) -> None:
+    """A tensor of a finished build: a plain meta tensor, or parameter, again."""
+    if type(t) is _Deferred:
+        t.__class__ = torch.nn.Parameter if getattr(t, "_is_param", False) else torch.Tensor
+
+
+@contextmanager
+def record_init(device: torch.device) -> Iterator[InitRecord]:
+    """Build under this context to get meta tensors that ``InitRecord.materialize`` can give real values."""
+    record = InitRecord(device)
+    try:
+        with _Recorder(record):
+            yield record
+    finally:
+        for op in record.ops:
+            for t in op.outputs:
+                _reveal(t)
+
+
+def recording_of(t: torch.Tensor, records: Sequence[InitRecord]) -> Optional[InitRecord]:
+    """The recording among ``records`` that made the meta tensor ``t``, if any."""
+    return next((r for r in records if r.knows(t)), None)

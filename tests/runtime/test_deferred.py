@@ -1,0 +1,97 @@
+"""Deferred initialisation: a build recorded on the meta device replays to exactly what a real build makes."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_elixir.runtime.deferred import record_init
+
+
+class Schemes(nn.Module):
+    """Initialisations that torch.nn.init skips on meta tensors, a value read during the build, a view written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ortho = nn.Parameter(torch.empty(6, 4))
+        nn.init.orthogonal_(self.ortho)
+        self.trunc = nn.Parameter(torch.empty(5))
+        nn.init.trunc_normal_(self.trunc, std=0.02)
+        self.sparse = nn.Parameter(torch.empty(4, 3))
+        nn.init.sparse_(self.sparse, sparsity=0.5)
+        self.scale = float(torch.linspace(0, 0.3, 3)[1].item())  # a drop-path schedule read as a number
+        self.register_buffer("table", torch.arange(4.0) * self.scale)
+        self.emb = nn.Embedding(10, 4, padding_idx=3)  # zeroes a row through a view
+        with torch.no_grad():
+            self.emb.weight[5].fill_(0.5)
+
+
+BUILDS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": lambda: nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4)),
+    "lstm": lambda: nn.LSTM(4, 8, 2),
+    "transformer_layer": lambda: nn.TransformerEncoderLayer(16, 4, 32),
+    "conv_bn": lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+    "schemes": Schemes,
+}
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def _replays_like_a_real_build(build: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(0)
+    real = build()
+    next_real = torch.rand(4)
+    torch.manual_seed(0)
+    with record_init(torch.device("cpu")) as record:
+        deferred = build()
+    next_deferred = torch.rand(4)
+    assert torch.equal(next_real, next_deferred)  # the generator moved as the real build moved it
+    for (name, want), (_, made) in zip(_tensors(real), _tensors(deferred)):
+        assert type(made) in (torch.Tensor, nn.Parameter), name  # plain again once the build is over
+        if made.is_meta:
+            assert torch.equal(record.materialize(made), want), name
+        else:  # ``torch.tensor(...)`` copies host data: small, and real under the meta device's rules too
+            assert torch.equal(made, want), name
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_replay_is_bit_identical_to_a_real_build(name: str) -> None:
+    _replays_like_a_real_build(BUILDS[name])
+
+
+def test_replay_leaves_the_generator_where_it_was() -> None:
+    torch.manual_seed(0)
+    with record_init(torch.device("cpu")) as record:
+        layer = nn.Linear(16, 16)
+    state = torch.get_rng_state()
+    record.materialize(layer.weight)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_models_replay_their_own_initialisation(family: str) -> None:
+    tr = pytest.importorskip("transformers")
+    if family == "llama":  # rotary tables are buffers its __init__ computes; post_init draws normal(0, 0.02)
+        config = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2)
+        build = lambda: tr.LlamaForCausalLM(config)  # noqa: E731
+    else:  # Conv1D has no reset_parameters
+        config = tr.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, bos_token_id=0,
+                               eos_token_id=0)
+        build = lambda: tr.GPT2LMHeadModel(config)  # noqa: E731
+    _replays_like_a_real_build(build)
+
+
+def test_a_meta_tensor_made_elsewhere_is_not_claimed() -> None:
+    with record_init(torch.device("cpu")) as record:
+        nn.Linear(2, 2)
+    with torch.device("meta"):
+        other = nn.Linear(2, 2)
+    assert not record.knows(other.weight)
+    with pytest.raises(RuntimeError, match="not made by this recording"):
+        record.materialize(other.weight)
