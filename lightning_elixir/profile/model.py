@@ -53,7 +53,7 @@ from lightning_elixir.profile.fake import (
 )
 from lightning_elixir.profile.params import ParamTable
 from lightning_elixir.profile.preserved import preserved_rng, preserved_state
-from lightning_elixir.profile.stand_ins import StepStandIns, quiet_logging, training_mode
+from lightning_elixir.profile.stand_ins import StepStandIns, conversions_on_fakes, quiet_logging, training_mode
 from lightning_elixir.profile.tracer import StepTracer
 from lightning_elixir.profile.types import Access, HardwareProfile, ModelProfile, ProfileError
 
@@ -207,7 +207,7 @@ def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, s
 def _step_contexts(module: nn.Module, mode: FakeTensorMode, tracer: StepTracer, params: dict[str, nn.Parameter],
                    stand_ins: StepStandIns, backward: bool, opposite: bool = False) -> Iterator[AssumedValues]:
     """Module modes, stand-ins and hooks, then the dispatch modes (the last entered sees operators first)."""
-    with training_mode(module, training=backward), quiet_logging(module), stand_ins.installed():
+    with training_mode(module, training=backward), quiet_logging(module), stand_ins.installed(), conversions_on_fakes():
         with tracer.attached(module, params), mode, tracer.op_mode():
             values = AssumedValues(mode, opposite)
             with values, host_conversions(values):

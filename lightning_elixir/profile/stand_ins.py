@@ -41,6 +41,45 @@ def training_mode(module: nn.Module, training: bool = True) -> Iterator[None]:
             m.training = was_training
 
 
+@contextlib.contextmanager
+def conversions_on_fakes() -> Iterator[None]:
+    """Let the step convert its own modules (``self.classifier.to(self.dtype)`` in a router's forward).
+
+    The trace runs the module with fake tensors in place of its parameters, and ``nn.Module._apply``
+    swaps a fake parameter for its converted copy with ``torch.utils.swap_tensors``, which refuses
+    tensors the trace still references ("Couldn't swap Linear.weight"). While the trace runs, a
+    conversion that swap refuses is done by assignment instead: a parameter the conversion returns
+    unchanged stays the same object (the trace keeps recognising it), a converted one is registered
+    in its place. The parameters are put back after the trace either way.
+    """
+    original = nn.Module._apply
+
+    def apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        try:
+            return original(self, fn, recurse)
+        except RuntimeError as err:
+            if "Couldn't swap" not in str(err):
+                raise
+        if recurse:
+            for child in self.children():
+                apply(child, fn)
+        with torch.no_grad():
+            for key, param in self._parameters.items():
+                converted = fn(param) if param is not None else None
+                if converted is not None and converted is not param:
+                    self._parameters[key] = nn.Parameter(converted, requires_grad=param.requires_grad)
+            for key, buf in self._buffers.items():
+                if buf is not None:
+                    self._buffers[key] = fn(buf)
+        return self
+
+    nn.Module._apply = apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original  # type: ignore[method-assign]
+
+
 class StepStandIns:
     """Harmless stand-ins for a LightningModule's trainer-facing methods while its step is traced.
 

@@ -298,3 +298,24 @@ def test_pytorch_tools_we_rely_on():
     linear = nn.Linear(2, 2, bias=False)
     tied = {"weight": torch.zeros(2, 2)}
     assert torch.func.functional_call(linear, tied, (torch.ones(1, 2),)).sum() == 0
+
+
+class _Router(nn.Module):
+    """Converts its own classifier inside forward, as Switch Transformers' router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(torch.relu(self.inp(x))).sum()
+
+
+def test_a_module_that_converts_itself_in_forward_profiles_and_stays_as_it_was():
+    model = _Router()
+    weight = model.classifier.weight
+    profile = profile_model(model, torch.randn(2, 8), step_fn=lambda m, b: m(b))
+    assert {"inp", "classifier"} <= {a.module for a in profile.accesses}
+    assert model.classifier.weight is weight and not weight.is_meta
