@@ -264,6 +264,9 @@ class Chunk:
     def reset_grad_tracking(self) -> None:
         """Start a new backward: no gradients have arrived yet."""
         self.pending_grads = set(self.grad_requiring)
+        self.absent_grads: set[int] = set()
+        """Trainable parameters whose unit finished its backward without them ([Note: parameters a rank
+        did not use] in runtime/protocol.py): their gradient is zero on this rank."""
         self.grad_full: Optional[torch.Tensor] = None
         self._reduce: Optional[tuple[Any, Optional[torch.Tensor]]] = None
         self._received: Optional[torch.Tensor] = None

@@ -67,6 +67,12 @@ class GradientFlow:
         if not pending:
             self.reductions.start_ready()
 
+    def absent(self, chunk: Chunk, pid: int) -> None:
+        """A parameter of ``chunk`` gets no gradient in this backward: count it as arrived (zero)."""
+        if pid in chunk.pending_grads:
+            chunk.absent_grads.add(pid)
+            self.arrived(chunk, pid)
+
     def finish(self) -> None:
         """End of backward: reduce what is left (missing gradients count as zero)."""
         self.reductions.finish()

@@ -433,11 +433,34 @@ class StepProtocol:
         """One thing a call's backward waits for has happened; unpin once nothing is left."""
         self._backward_event()
         call.pending.discard(key)
+        if key is Wait.INPUTS and call.pending and call.unit.calls == [call]:
+            self._declare_absent(call)
         if call.pending or not call.pinned:
             return
         call.pinned = False
         self.cache.release_pins(call.unit.public_ids)
         call.unit.calls.remove(call)
+
+    def _declare_absent(self, call: BackwardCall) -> None:
+        """The unit's last open call has its input gradients: parameters of the unit that got none are unused.
+
+        [Note: parameters a rank did not use]
+        A unit may run only some of its modules on a rank (a mixture-of-experts block whose tokens
+        here chose no token for an expert), and those parameters get no gradient in this backward.
+        Waiting for them would hold the unit's chunks, and the reductions behind them in the fixed
+        order, until the end of backward on this rank only, while the other ranks reduce them at
+        once: the ranks would interleave reductions and gathers differently and their collectives
+        would no longer pair. So when the unit's inputs have their gradients, its parameters that
+        have none count as arrived with a zero gradient: the unit's backward ends at the same point
+        on every rank. Autograd accumulates a leaf's gradient as soon as it is computed (its
+        accumulation has the highest priority in the engine's queue), so a parameter the unit used
+        has arrived by then; for a unit called several times, only its last open call decides.
+        Unused here, the parameter still counts as unused for the optimizer only where no rank used
+        it ([Note: unused parameters] in grads.py).
+        """
+        for pid in [k for k in call.pending if isinstance(k, int)]:
+            call.pending.discard(pid)
+            self.grads.absent(self.trainable.by_id[pid][1], pid)
 
     def _param_hook(self, chunk: Chunk, pid: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate-grad hook of one trainable parameter: count it, release what waited for it."""

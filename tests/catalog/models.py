@@ -1062,9 +1062,10 @@ _MORE_HF: dict[str, Callable[[Any], tuple[Any, Any]]] = {
 
 
 class HFModel(TokenLM):
-    def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False) -> None:
+    def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False,
+                 compile_blocks: bool = False) -> None:
         super().__init__()
-        self.kind, self.dropout, self.ckpt = kind, dropout, ckpt
+        self.kind, self.dropout, self.ckpt, self.compile_blocks = kind, dropout, ckpt, compile_blocks
         self.model: Optional[nn.Module] = None
         if not in_configure_model:
             self._build()
@@ -1095,6 +1096,13 @@ class HFModel(TokenLM):
                                       num_local_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0, router_aux_loss_coef=0.0)
             cls = tr.MixtralForCausalLM
+        elif kind == "switch":  # separate expert modules; a rank's tokens reach only some of them
+            config = tr.SwitchTransformersConfig(
+                vocab_size=64, d_model=32, d_kv=16, d_ff=48, expert_capacity=16, num_layers=2,
+                num_sparse_encoder_layers=1, num_decoder_layers=2, num_sparse_decoder_layers=1, num_heads=2,
+                num_experts=4, dropout_rate=0.0, router_jitter_noise=0.0, decoder_start_token_id=0,
+                router_z_loss_coef=0.0, router_aux_loss_coef=0.0)
+            cls = tr.SwitchTransformersForConditionalGeneration
         elif kind in _MORE_HF:
             config, cls = _MORE_HF[kind](tr)
         else:
@@ -1106,6 +1114,9 @@ class HFModel(TokenLM):
         self.model = cls(config)
         if ckpt:
             self.model.gradient_checkpointing_enable()
+        if self.compile_blocks:  # each decoder layer, as torchtitan compiles blocks ("aot_eager": no C++ build)
+            for layer in self.model.model.layers:
+                layer.compile(backend="aot_eager")
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -1821,9 +1832,9 @@ class FunctionalCall(Classifier):
 # the catalog
 
 
-def _hf(kind: str, dropout: bool = False, ckpt: bool = False,
-        in_configure_model: bool = False) -> Callable[[], L.LightningModule]:
-    return lambda: HFModel(kind, dropout, ckpt, in_configure_model)
+def _hf(kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False,
+        compile_blocks: bool = False) -> Callable[[], L.LightningModule]:
+    return lambda: HFModel(kind, dropout, ckpt, in_configure_model, compile_blocks)
 
 
 def _ema_extras(cbs: list[Callback]) -> dict:
@@ -1986,6 +1997,10 @@ CASES: list[Case] = [
     Case("hf_llama_configure_model", _hf("llama", in_configure_model=True), token_data, requires="transformers",
          tol=ADAM_NEAR_ZERO),
     Case("hf_gpt2_configure_model", _hf("gpt2", in_configure_model=True), token_data, requires="transformers"),
+    Case("hf_llama_compiled_blocks_configure_model", _hf("llama", in_configure_model=True, compile_blocks=True),
+         token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
+    # Switch Transformers: expert modules of their own, a router that converts itself inside forward
+    Case("hf_switch_moe", _hf("switch"), token_data, requires="transformers", ddp=dict(find_unused_parameters=True)),
     Case("sharpness_aware_minimization", SAM, cls_data),
     Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
     Case("gradient_norm_penalty_on_parameters", ParamGradPenalty, cls_data),
