@@ -82,7 +82,7 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _metas(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and _is_meta(t)]
+    return [t for t in _flat_tensors(tree) if _is_meta(t)]
 
 
 class InitRecord:

@@ -156,8 +156,7 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
         # One element expanded to the right shape: numel/shape stay true until the chunk view is bound.
         stub = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape) if p.dim() else torch.empty((), dtype=p.dtype, device=device)
         real = nn.Parameter(stub, requires_grad=p.requires_grad)
-        real._elixir_meta_shape = p.shape  # type: ignore[attr-defined]
-        real._elixir_meta_source = p  # type: ignore[attr-defined]  # what a recording knows it by
+        real._elixir_meta_source = p  # type: ignore[attr-defined]  # uninitialised; what a recording knows it by
         for _, mod in owners[id(p)]:
             for key, value in mod._parameters.items():
                 if value is p:
@@ -177,7 +176,7 @@ def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dt
             record = None if source is None else recording_of(source, deferred)
             if record is not None:
                 stage[slot.offset:slot.end].copy_(record.materialize(source).reshape(-1))
-                del slot.param._elixir_meta_shape, slot.param._elixir_meta_source
+                del slot.param._elixir_meta_source
             elif source is not None:
                 for _, mod in owners[id(slot.param)]:
                     _init_meta_module(mod, where, staging, initialised, master_dtype)
@@ -212,8 +211,8 @@ def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: s
     with torch.no_grad():
         mod.reset_parameters()
     for p in mod._parameters.values():
-        if p is not None and hasattr(p, "_elixir_meta_shape"):
-            del p._elixir_meta_shape, p._elixir_meta_source
+        if p is not None and hasattr(p, "_elixir_meta_source"):
+            del p._elixir_meta_source
 
 
 def _finalize_chunk(chunk: Chunk, stage: torch.Tensor, group: Group) -> None:
