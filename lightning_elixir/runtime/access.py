@@ -89,6 +89,9 @@ class AccessGuard:
         """Running forward calls of the root module."""
         self.sticky: list[int] = []
         """Public chunks held until the end of backward (or of a no-grad iteration)."""
+        self.read_outside: set[int] = set()
+        """Ids of the parameters read outside their unit's forward in this step (their gradients may
+        arrive after the unit's backward: [Note: parameters a rank did not use] in protocol.py)."""
         self.full_grads: dict[int, torch.Tensor] = {}
         """Gradients gathered for reads, by chunk index, until written back."""
         self._region: Optional[_Region] = None
@@ -116,6 +119,7 @@ class AccessGuard:
                                    f"(this rank holds only its shard); {_HOW}")
         self._hold(chunk, slot.name)
         chunk.exposed = True
+        self.read_outside.add(id(param))
         return True
 
     def on_grad_read(self, param: nn.Parameter) -> Optional[torch.Tensor]:
@@ -163,6 +167,7 @@ class AccessGuard:
 
     def release_sticky(self) -> None:
         """End of backward or of the iteration: unpin what reads outside the hooks held."""
+        self.read_outside.clear()
         if self.sticky:
             self.cache.release_pins(tuple(self.sticky))
             self.sticky = []

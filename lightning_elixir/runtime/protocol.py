@@ -455,10 +455,16 @@ class StepProtocol:
         on every rank. Autograd accumulates a leaf's gradient as soon as it is computed (its
         accumulation has the highest priority in the engine's queue), so a parameter the unit used
         has arrived by then; for a unit called several times, only its last open call decides.
+        A parameter read outside the unit's forward in this step (an L2 penalty over
+        ``self.parameters()`` before the forward, a weight-norm pre-hook, ``functional_call`` over
+        the module's own parameters) is the exception: its gradient sums a contribution from an
+        operator autograd runs later, so it keeps waiting. Every rank runs the same step code, so
+        such reads, and the wait, are the same on every rank.
         Unused here, the parameter still counts as unused for the optimizer only where no rank used
         it ([Note: unused parameters] in grads.py).
         """
-        for pid in [k for k in call.pending if isinstance(k, int)]:
+        read_outside = self.guard.read_outside
+        for pid in [k for k in call.pending if isinstance(k, int) and k not in read_outside]:
             call.pending.discard(pid)
             self.grads.absent(self.trainable.by_id[pid][1], pid)
 
