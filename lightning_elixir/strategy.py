@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_elixir import averaging
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
@@ -89,13 +90,6 @@ def _refuse_unsupported_callbacks(trainer: Any) -> None:
                 "in configure_optimizers (a param group per learning rate; frozen parameters are skipped until "
                 "they get gradients), freeze in the module, and set requires_grad=True on the layers to unfreeze "
                 "in a callback's on_train_epoch_start.")
-        if isinstance(cb, StochasticWeightAveraging):
-            raise ValueError(
-                f"{name} does not work with the Elixir strategy: it copies the module and reads and writes its "
-                "parameters outside the training step, where each rank holds only its shard (Lightning refuses it "
-                "for FSDP and DeepSpeed too). Keep the average in a callback of your own that reads the weights "
-                "inside `with trainer.strategy.gathered_params():`, entered on every rank (README, 'Your model, "
-                "unchanged').")
         if isinstance(cb, ModelPruning):
             raise ValueError(
                 f"{name} does not work with the Elixir strategy: it ranks and masks the parameters at epoch ends, "
@@ -208,6 +202,8 @@ class ElixirStrategy(ParallelStrategy):
         self._group_timeout_s = collective_timeout_s
         Group(None, 0, 1, collective_timeout_s)  # validates it now, before launch
         self._failed = False
+        self._averaging: list[Any] = []
+        """Weight-averaging callbacks given sharded averages for this fit (averaging.py)."""
         self.planning: Optional[PlanningResult] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -337,6 +333,7 @@ class ElixirStrategy(ParallelStrategy):
             self.precision_plugin.runtime = self.runtime
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._averaging = averaging.install(self, trainer)  # [Note: sharded weight averaging]
         self.setup_precision_plugin()
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
@@ -440,6 +437,21 @@ class ElixirStrategy(ParallelStrategy):
         now ([Note: silent divergence] in runtime/collectives.py)."""
         if self.runtime is not None:
             agreed_max(torch.zeros(0, device=self.root_device), self.runtime.group)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """A micro-batch that accumulates: like DDP's ``no_sync``, the forward after it broadcasts no
+        buffers. Its gradients are reduce-scattered as always (each rank keeps only its shard)."""
+        protocol = self.runtime.protocol if self.runtime is not None else None
+        if protocol is None:
+            yield
+            return
+        protocol.accumulating = True
+        try:
+            yield
+        finally:
+            protocol.accumulating = False
 
     @contextmanager
     def gathered_params(self, params: Optional[Iterable[torch.nn.Parameter]] = None,
@@ -559,6 +571,8 @@ class ElixirStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        averaging.uninstall(self._averaging)
+        self._averaging = []
         if self.runtime is not None and self._failed:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
                 self.runtime.offload.close()  # the shards stay; NVMe files go

@@ -169,9 +169,12 @@ class StepProtocol:
         self._evaluated = False  # a no-grad iteration ran since the last training one
         """Training iterations since the last optimizer step."""
         self.recorder: Optional[TimelineRecorder] = None
-        self.buffers = list(module.buffers())
+        self._buffer_slots = _buffer_slots(module)
         self.broadcast_buffers = broadcast_buffers
         self._sync_buffers_next = broadcast_buffers
+        self.accumulating = False
+        """Inside the strategy's ``block_backward_sync`` (a micro-batch that accumulates): as under
+        DDP's ``no_sync``, the next forward does not broadcast buffers."""
         self._creating_graph = False
         """Whether the backward running now was asked for ``create_graph``."""
         self._recomputing: list[UnitState] = []
@@ -271,11 +274,14 @@ class StepProtocol:
             self.phase = Phase.IDLE
 
     def _sync_buffers(self) -> None:
-        """DDP's default: rank 0's buffers before a forward that follows a training forward."""
-        if self.broadcast_buffers and self._sync_buffers_next and self.buffers:
+        """DDP's default: rank 0's buffers before a forward that follows a training forward that
+        synchronised gradients (not one inside ``no_sync``). The buffers are read from their modules
+        each time, as DDP does: a module may assign new ones (SWA's BatchNorm reset)."""
+        if self.broadcast_buffers and self._sync_buffers_next and self._buffer_slots:
+            buffers = [b for b in (m._buffers.get(name) for m, name in self._buffer_slots) if b is not None]
             with label("Elixir::broadcast_buffers"):
-                layout.broadcast_buffers(self.buffers, self.group)
-        self._sync_buffers_next = torch.is_grad_enabled()
+                layout.broadcast_buffers(buffers, self.group)
+        self._sync_buffers_next = torch.is_grad_enabled() and not self.accumulating
 
     def after_step(self) -> None:
         """The optimizer has updated the masters and the shards: renew what is gathered."""
@@ -529,3 +535,15 @@ class StepProtocol:
                 if call.pinned:
                     self.cache.release_pins(unit.public_ids)
             unit.calls = []
+
+
+def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every buffer of ``module``, each once (a buffer shared by two modules too)."""
+    seen: set[int] = set()
+    out = []
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                out.append((sub, name))
+    return out

@@ -125,6 +125,8 @@ class ElixirRuntime:
         self.scaler: Any = None
         self.steps = 0
         self.skipped_steps = 0
+        self.companions: dict[str, list[torch.Tensor]] = {}
+        """Sharded tensors of the masters' layout that others keep, by name ([Note: companion shards])."""
 
     # ---- the layers' state, as callers read it --------------------------------------------------
 
@@ -383,6 +385,29 @@ class ElixirRuntime:
 
     def _optimizer_states(self, view: nn.Parameter) -> list[dict]:
         return [opt.state[view] for opt in self.optimizers if view in opt.state]
+
+    # ---- companions -------------------------------------------------------------------------------
+
+    def add_companion(self, name: str, device: Optional[torch.device] = None) -> list[torch.Tensor]:
+        """One tensor per chunk shaped like its master shard, a copy of it, kept under ``name``.
+
+        [Note: companion shards]
+        State laid out like the parameters that is not the optimizer's (the averaged weights of an
+        EMA or SWA callback) is held sharded as the masters are: this rank's piece of every chunk,
+        where the chunk's master lives (the host for offloaded chunks) or on ``device``. The runtime
+        carries companions wherever it carries the masters: into a new plan (replan.py), into full
+        checkpoints (as ``("companion", name, id(param))`` deferred tensors) and into sharded ones
+        (as ``companion.<name>.<param>``, resharded on load like the masters).
+        """
+        shards = []
+        with torch.no_grad():
+            for chunk in self.chunks:
+                with self.offload.resident(chunk):
+                    where = device if device is not None else (
+                        chunk.master.device if chunk.placement != "nvme" else torch.device("cpu"))
+                    shards.append(chunk.master.detach().to(where, copy=True))
+        self.companions[name] = shards
+        return shards
 
     # ---- giving the module back -------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ shard of the chunk, so each tensor is a ``ShardedTensor`` whose shard metadata l
 piece; a rank that owns none of a parameter contributes no shard. Every rank computes that
 metadata from the layout it already knows, so building the tensors needs no collective.
 Tied parameters appear once (their first name); the meta file maps every ``state_dict()`` key to
-the stored name. Buffers are rank 0's, stored whole.
+the stored name. Buffers are rank 0's, stored whole. A runtime's companions (averaged weights,
+[Note: companion shards] in runtime.py) are stored like the masters, as ``companion.<name>.<param>``.
 
 Loading builds the same keys for the current layout, which may differ in world size, chunk size,
 cache and placement, and lets ``dcp.load`` read each local piece from whichever saved pieces
@@ -49,6 +50,9 @@ from lightning_elixir.runtime.state_dict import is_per_element, optimizer_views
 META_FILE = "elixir_meta.pt"
 DCP_METADATA = ".metadata"
 FORMAT = "lightning_elixir.sharded/1"
+AVERAGE_IN_STATE_DICT = "elixir_average_in_state_dict"
+"""``extra`` key: the companion that a full checkpoint holds as its ``state_dict`` (a weight-averaging
+callback's average; the masters go under ``current_model_state``). Conversion to a full file lays it out so."""
 
 PathLike = Union[str, os.PathLike]
 
@@ -136,6 +140,9 @@ def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list
     for slot in chunk.slots:
         piece = _own_piece(chunk, slot, chunk.master).detach()
         out[f"model.{slot.name}"] = _flat(runtime, chunk, slot, piece.clone() if copy else piece)
+        for name, shards in runtime.companions.items():
+            piece = _own_piece(chunk, slot, shards[chunk.index]).detach()
+            out[f"companion.{name}.{slot.name}"] = _flat(runtime, chunk, slot, piece)
     for k, (state, views) in enumerate(zip(states, entries)):
         for i, (owner, slot, view) in enumerate(views):
             if owner is not chunk or i not in state["state"]:
@@ -295,6 +302,7 @@ def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike) -> di
     runtime.offload.settle()
     runtime.release_all()
     targets, staged = _model_targets(runtime)
+    targets.update(_companion_targets(runtime, stored))
     state_targets = [_state_targets(runtime, views, saved, stored, k)  # zip: none when no optimizers are given
                      for k, (views, saved) in enumerate(zip(entries, meta["optimizers"]))]
     for per_optimizer in state_targets:
@@ -324,6 +332,18 @@ def _model_targets(runtime) -> tuple[dict[str, Any], dict[int, list[tuple[Slot, 
             targets[f"model.{slot.name}"] = _flat(runtime, chunk, slot, local)
     targets.update({f"model.{k}": v.detach() for k, v in _buffers(runtime).items()})
     return targets, staged
+
+
+def _companion_targets(runtime, stored: Metadata) -> dict[str, Any]:
+    """Where DCP reads the pieces of the runtime's companions that the checkpoint holds (straight into them)."""
+    targets = {}
+    for name, shards in runtime.companions.items():
+        for chunk in runtime.chunks:
+            for slot in chunk.slots:
+                key = f"companion.{name}.{slot.name}"
+                if key in stored.state_dict_metadata:
+                    targets[key] = _flat(runtime, chunk, slot, _own_piece(chunk, slot, shards[chunk.index]))
+    return targets
 
 
 def _state_targets(runtime, views: list, saved: dict, stored: Metadata, k: int) -> list[tuple[str, int, str, Any, Any]]:
@@ -381,20 +401,30 @@ def convert_sharded_to_full(path: PathLike, out_file: PathLike) -> None:
                for key, md in stored.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     with _quiet_dcp():
         dcp.load(tensors, storage_reader=FileSystemReader(os.fspath(path)), no_dist=True)
+    extra = dict(meta["extra"])
     full = {"state_dict": dict(_full_model(meta, tensors)),
             "optimizer_states": [_full_optimizer(saved, meta["shapes"], tensors, k)
                                  for k, saved in enumerate(meta["optimizers"])]}
-    torch.save({**full, **meta["extra"]}, os.fspath(out_file))
+    average = extra.pop(AVERAGE_IN_STATE_DICT, None)
+    if average is not None:  # Lightning's WeightAveraging layout: the average is the state dict
+        averaging = dict(extra.get("averaging_state", {}))
+        buffers = {k.removeprefix("module."): averaging.pop(k) for k in list(averaging) if k.startswith("module.")}
+        full["current_model_state"] = full["state_dict"]
+        full["state_dict"] = {**dict(_full_model(meta, tensors, f"companion.{average}.")), **buffers}
+        extra["averaging_state"] = averaging
+    torch.save({**extra, **full}, os.fspath(out_file))
 
 
-def _full_model(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, Any]]:
+def _full_model(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                params: str = "model.") -> Iterator[tuple[str, Any]]:
+    """The module's state dict; parameters from the tensors stored under ``params`` (the masters, or a companion)."""
     for key, name in meta["keys"]:
         if key in meta["objects"]:
             yield key, meta["objects"][key]
         elif name is None:
             yield key, tensors[f"model.{key}"]
         else:
-            yield key, tensors[f"model.{name}"].view(meta["shapes"][name])
+            yield key, tensors[f"{params}{name}"].view(meta["shapes"][name])
 
 
 def _full_optimizer(saved: dict, shapes: dict, tensors: dict[str, torch.Tensor], k: int) -> dict[str, Any]:

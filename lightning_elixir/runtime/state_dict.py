@@ -86,6 +86,13 @@ def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = 
 
 
 def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
+    load_own_pieces(chunk, chunk.master, source)
+    chunk.refresh_shard()
+
+
+def load_own_pieces(chunk: Chunk, shard: torch.Tensor, source: Mapping[int, torch.Tensor]) -> None:
+    """Copy this rank's piece of each full tensor in ``source`` (by id of the parameter) into ``shard``,
+    a tensor of ``chunk``'s shard layout (its master, a companion)."""
     lo, hi = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
     for slot in chunk.slots:
         tensor = source.get(id(slot.param))
@@ -94,8 +101,7 @@ def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
         begin, end = max(slot.offset, lo), min(slot.end, hi)
         if begin < end:
             flat = tensor.reshape(-1)[begin - slot.offset:end - slot.offset]
-            chunk.master[begin - lo:end - lo].copy_(flat)
-    chunk.refresh_shard()
+            shard[begin - lo:end - lo].copy_(flat)
 
 
 def optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, torch.Tensor]]:
@@ -209,6 +215,11 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
                 full = chunk.gather_to_first(chunk.master, buffers.out(chunk, chunk.master.dtype))
             yield _gathered(full, [(wanted.get(("param", id(slot.param))), slot) for slot in chunk.slots])
             del full  # its buffer is the next gather's: the values are consumed before that
+    for name in sorted({source[1] for source in wanted if source[0] == "companion"}):
+        for chunk, shard in zip(runtime.chunks, runtime.companions[name]):
+            full = chunk.gather_to_first(shard, buffers.out(chunk, shard.dtype))
+            yield _gathered(full, [(wanted.get(("companion", name, id(slot.param))), slot) for slot in chunk.slots])
+            del full
     for index, optimizer in enumerate(optimizers):
         if not any(source[:2] == ("optimizer", index) for source in wanted):
             continue

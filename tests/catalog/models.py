@@ -22,7 +22,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -2029,6 +2029,15 @@ CASES: list[Case] = [
     Case("layers_built_in_setup", BuiltInSetup, cls_data),
     Case("layerdrop_by_step", LayerDrop, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("functional_call_over_own_parameters", FunctionalCall, cls_data),
+    # Lightning's weight averaging: the average held sharded, swapped in for validation, copied in at the end
+    Case("lightning_ema_weight_averaging", BatchNormMLP, cls_data, trainer=dict(max_epochs=2),
+         run=fit_with(lambda: EMAWeightAveraging(decay=0.7))),
+    Case("lightning_ema_without_buffers_every_2_steps", SequentialMLP, cls_data, trainer=dict(max_epochs=2),
+         run=fit_with(lambda: EMAWeightAveraging(decay=0.5, use_buffers=False, update_every_n_steps=2))),
+    Case("lightning_stochastic_weight_averaging", SequentialMLP, cls_data, trainer=dict(max_epochs=3),
+         run=fit_with(lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1))),
+    Case("lightning_swa_with_batchnorm_update", BatchNormMLP, cls_data, trainer=dict(max_epochs=3),
+         run=fit_with(lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1))),
     Case("fp16_true_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-true"), tol=BF16_TRUE),
 ]
 

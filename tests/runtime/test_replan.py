@@ -2,8 +2,9 @@
 
 Each case trains the same model from the same weights twice: under plan B from the start, and under
 plan A for a few steps, switched to B, then on. After the switch the losses, weights and full
-optimizer state match the uninterrupted run of B within fp32 rounding; the optimizer objects
-are the same ones (a scheduler built on them keeps working).
+optimizer state match the uninterrupted run of B within fp32 rounding, and so does a companion
+shard (a running sum of the weights, as an EMA keeps); the optimizer objects are the same ones (a
+scheduler built on them keeps working).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def offload_plan(world_size: int, placements: tuple[str, ...]) -> ElixirPlan:
 def _train(rank: int, model: torch.nn.Module, first: ElixirPlan, then: Optional[ElixirPlan],
            nvme_path: Optional[str]) -> dict[str, Any]:
     runtime = ElixirRuntime(model, first, nvme_path=nvme_path)
+    runtime.add_companion("sum")  # a running sum of the weights: the switch must carry it
     optimizer = shard_optimizer(runtime, make_optimizer("adamw", model))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     run = Run(first, config=NO_BIAS)
@@ -54,11 +56,24 @@ def _train(rank: int, model: torch.nn.Module, first: ElixirPlan, then: Optional[
         optimizer_step(runtime, optimizer)
         optimizer.zero_grad()
         scheduler.step()
-    out = {"losses": losses, "model": full_state_dict(runtime, everywhere=True),
+        with torch.no_grad():
+            for chunk, shard in zip(runtime.chunks, runtime.companions["sum"]):
+                with runtime.offload.resident(chunk):
+                    shard.add_(chunk.master.to(shard.device))
+    out = {"losses": losses, "sum": _companion(runtime, "sum"), "model": full_state_dict(runtime, everywhere=True),
            "optimizer": full_optimizer_state_dict(runtime, optimizer, everywhere=True),
            "plan": runtime.plan.name, "chunks": len(runtime.chunks), "in_optimizer": runtime.optimizers == [optimizer],
            "placements": sorted({c.placement for c in runtime.chunks})}
     runtime.restore_module()
+    return out
+
+
+def _companion(runtime: ElixirRuntime, name: str) -> dict[str, torch.Tensor]:
+    """A companion's full value per parameter name, gathered on every rank."""
+    out = {}
+    for chunk, shard in zip(runtime.chunks, runtime.companions[name]):
+        full = chunk.gather_full(shard).cpu()
+        out.update({slot.name: full[slot.offset:slot.end].clone() for slot in chunk.slots})
     return out
 
 
@@ -99,6 +114,9 @@ def test_switch_continues_as_the_new_plan(switched, case):
                                    rtol=1e-5, atol=1e-6)
         for key, value in reference["model"].items():
             assert _close(switched_run["model"][key], value), key
+        assert switched_run["sum"].keys() == reference["sum"].keys()
+        for key, value in reference["sum"].items():  # the companion went along ([Note: companion shards])
+            assert _close(switched_run["sum"][key], value), key
         ref_state, got_state = reference["optimizer"]["state"], switched_run["optimizer"]["state"]
         assert sorted(ref_state) == sorted(got_state)
         for i, entries in ref_state.items():
