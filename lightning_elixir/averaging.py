@@ -229,9 +229,9 @@ def averaging_callbacks(trainer: Any) -> list[Any]:
     return [cb for cb in trainer.callbacks if isinstance(cb, kinds)]
 
 
-def install(strategy: Any, trainer: Any) -> list[Any]:
+def install_averages(strategy: Any, trainer: Any) -> list[Any]:
     """Give every weight-averaging callback of ``trainer`` a sharded average ([Note: sharded weight
-    averaging]); returns the callbacks, for ``uninstall``."""
+    averaging]); returns the callbacks, for ``remove_averages``."""
     callbacks = averaging_callbacks(trainer)
     for i, cb in enumerate(callbacks):
         name = f"average{i}"
@@ -242,7 +242,7 @@ def install(strategy: Any, trainer: Any) -> list[Any]:
     return callbacks
 
 
-def uninstall(callbacks: list[Any]) -> None:
+def remove_averages(callbacks: list[Any]) -> None:
     """The callbacks' own methods back; the average goes with the runtime (the module holds it if
     training ended: ``on_train_end`` copied it in)."""
     for cb in callbacks:

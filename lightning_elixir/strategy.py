@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_elixir import averaging
+from lightning_elixir.averaging import install_averages, remove_averages
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
@@ -333,7 +333,7 @@ class ElixirStrategy(ParallelStrategy):
             self.precision_plugin.runtime = self.runtime
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._averaging = averaging.install(self, trainer)  # [Note: sharded weight averaging]
+            self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
         self.setup_precision_plugin()
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
@@ -571,7 +571,7 @@ class ElixirStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
-        averaging.uninstall(self._averaging)
+        remove_averages(self._averaging)
         self._averaging = []
         if self.runtime is not None and self._failed:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
