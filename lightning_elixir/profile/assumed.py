@@ -51,7 +51,8 @@ class AssumedValues(TorchDispatchMode):
       when the mask is known to be all False, e.g. ``x[torch.isnan(x)]``). ``unique`` finds one
       value (tiny either way, and it keeps input checks such as torchmetrics' "more unique values
       than classes" passing), ``bincount`` counts ``minlength`` bins (at least two: values read as 1),
-      ``repeat_interleave`` repeats each element once.
+      ``repeat_interleave`` repeats each element once; the CTC loss's forward variables cover the
+      longest target the targets' shape allows.
     - In-place writes to real tensors (a plain tensor attribute: ``self.total += loss.detach()``)
       go to a fake copy: with only real inputs FakeTensorMode would run the operator for real and
       change the user's tensor.
@@ -262,7 +263,28 @@ def _bound_pack_padded(values: AssumedValues, _func: Any, args: tuple, kwargs: d
     return torch.empty((steps * batch, *x.shape[2:]), dtype=x.dtype, device=x.device), batch_sizes
 
 
+def _bound_ctc_loss(values: AssumedValues, _func: Any, args: tuple, _kwargs: dict) -> tuple:
+    """``_ctc_loss``: the negative log-likelihood per sequence and the forward variables ``log_alpha``
+    (batch, time, 2 * longest target + 1); the longest target is bounded by the padded width (2-d
+    targets) or by every target element (concatenated 1-d targets)."""
+    log_probs, targets = args[0], args[1]
+    batched = log_probs.dim() == 3
+    time, batch = log_probs.shape[0], log_probs.shape[1] if batched else 1
+    longest = targets.shape[-1] if targets.dim() == 2 or not batched else targets.numel()
+    values.assumed = True
+    nll = torch.empty((batch,) if batched else (), dtype=log_probs.dtype, device=log_probs.device)
+    alpha = torch.empty((batch, time, 2 * longest + 1), dtype=log_probs.dtype, device=log_probs.device)
+    return nll, alpha
+
+
+def _bound_ctc_loss_backward(_values: AssumedValues, _func: Any, args: tuple, _kwargs: dict) -> torch.Tensor:
+    """``_ctc_loss_backward``: a gradient shaped like ``log_probs``."""
+    return torch.empty_like(args[1])
+
+
 _BOUNDS: dict[Any, Callable[..., Any]] = {
+    aten._ctc_loss: _bound_ctc_loss,
+    aten._ctc_loss_backward: _bound_ctc_loss_backward,
     aten._pack_padded_sequence: _bound_pack_padded,
     aten.nonzero: _bound_nonzero,
     aten.index: _bound_index,

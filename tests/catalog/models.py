@@ -134,6 +134,17 @@ def seq_set(n: int = 32, t: int = 6, d: int = 8, classes: int = 4, seed: int = 0
     return TensorDataset(x, y)
 
 
+def ctc_set(n: int = 32, t: int = 12, d: int = 8, classes: int = 5, longest: int = 4, seed: int = 0) -> TensorDataset:
+    """Frame sequences, padded label sequences (labels 1..classes-1; 0 is CTC's blank) and their lengths,
+    which vary: the loss's shapes depend on them."""
+    g = _g(seed)
+    x = torch.randn(n, t, d, generator=g)
+    targets = torch.randint(1, classes, (n, longest), generator=g)
+    target_lengths = torch.randint(1, longest + 1, (n,), generator=g)
+    frame_lengths = torch.randint(t - 3, t + 1, (n,), generator=g)
+    return TensorDataset(x, targets, frame_lengths, target_lengths)
+
+
 def image_set(n: int = 32, c: int = 3, hw: int = 8, classes: int = 4, seed: int = 0) -> TensorDataset:
     g = _g(seed)
     x = torch.randn(n, c, hw, hw, generator=g) * 2 + 0.5
@@ -1814,6 +1825,24 @@ class LayerDrop(Classifier):
         return torch.optim.SGD(self.parameters(), lr=0.1)  # a skipped block's zero or None gradient: same update
 
 
+class CTCModel(LossSteps):
+    """A GRU over frames and a per-frame classifier trained with CTC (``aten._ctc_loss`` has no fake
+    kernel: its output shape depends on the lengths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, targets, frame_lengths, target_lengths = batch
+        log_probs = self.head(self.rnn(x)[0]).log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets, frame_lengths, target_lengths)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class FunctionalCall(Classifier):
     """torch.func.functional_call over the module's own parameters plus a perturbation (MAML-style)."""
 
@@ -2029,6 +2058,7 @@ CASES: list[Case] = [
     Case("layers_built_in_setup", BuiltInSetup, cls_data),
     Case("layerdrop_by_step", LayerDrop, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("functional_call_over_own_parameters", FunctionalCall, cls_data),
+    Case("ctc_loss_recognizer", CTCModel, lambda: dict(train=loader(ctc_set(seed=0)), val=loader(ctc_set(seed=1)))),
     # Lightning's weight averaging: the average held sharded, swapped in for validation, copied in at the end
     Case("lightning_ema_weight_averaging", BatchNormMLP, cls_data, trainer=dict(max_epochs=2),
          run=fit_with(lambda: EMAWeightAveraging(decay=0.7))),

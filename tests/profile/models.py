@@ -96,3 +96,31 @@ def checkpoint_case(batch_size: int = 16):
     """CheckpointedStack and one regression batch."""
     torch.manual_seed(0)
     return CheckpointedStack(), (torch.randn(batch_size, 48), torch.randn(batch_size, 1))
+
+
+class CTCRecognizer(nn.Module):
+    """A small recognizer: a Linear encoder over frames and a per-frame classifier, trained with CTC."""
+
+    def __init__(self, features: int = 32, hidden: int = 128, classes: int = 24) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(frames))
+
+
+def ctc_step(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """CTC loss with the lengths as tensors (``aten._ctc_loss.Tensor``, whose output shape depends on
+    the lengths' values: FakeTensorMode cannot run it, the profile bounds it)."""
+    frames, targets, frame_lengths, target_lengths = batch
+    log_probs = module(frames).float().log_softmax(-1).transpose(0, 1)
+    return F.ctc_loss(log_probs, targets, frame_lengths, target_lengths)
+
+
+def ctc_case(batch_size: int = 8, frames: int = 64, target: int = 24):
+    """CTCRecognizer and one batch whose targets are all of the padded width (the profile's bound)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(batch_size, frames, 32), torch.randint(1, 24, (batch_size, target)),
+             torch.full((batch_size,), frames), torch.full((batch_size,), target))
+    return CTCRecognizer(), batch

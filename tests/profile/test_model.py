@@ -13,6 +13,8 @@ from tests.profile.models import (
     MLP,
     TiedLM,
     checkpoint_case,
+    ctc_case,
+    ctc_step,
     gpt_case,
     lm_step,
     mlp_case,
@@ -33,6 +35,7 @@ CASES = {
     "mlp": (mlp_case, mse_step, mse_step),
     "tied": (tied_case, lm_step, lm_step),
     "checkpointed": (checkpoint_case, mse_step, mse_step),
+    "ctc": (ctc_case, ctc_step, ctc_step),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
