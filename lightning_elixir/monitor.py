@@ -219,8 +219,10 @@ class ElixirMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if self.decision is None and getattr(trainer.strategy, "may_replan", False) and trainer.global_step > 1:
-            peak = torch.cuda.max_memory_allocated(runtime.device) if runtime.device.type == "cuda" else -1.0
-            self._samples.append([step_s, *(phases[p] for p in PHASES), float(peak)])
+            cuda = runtime.device.type == "cuda"
+            peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else -1.0
+            reserved = torch.cuda.max_memory_reserved(runtime.device) if cuda else -1.0
+            self._samples.append([step_s, *(phases[p] for p in PHASES), float(peak), float(reserved)])
             if len(self._samples) == self.calibration_steps:
                 self._reconsider(trainer)
 
@@ -320,11 +322,12 @@ def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
     """The median of each measured column over the steps, the largest over ranks."""
     medians = torch.tensor([statistics.median(column) for column in zip(*samples)], dtype=torch.float64,
                            device=runtime.device)
-    step_s, *waits, peak = collectives.all_reduce_max(medians, runtime.group).tolist()
+    step_s, *waits, peak, reserved = collectives.all_reduce_max(medians, runtime.group).tolist()
     phases = dict(zip(PHASES, waits))
     return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
                            offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
-                           peak_bytes=int(peak) if peak >= 0 else None)
+                           peak_bytes=int(peak) if peak >= 0 else None,
+                           reserved_bytes=int(reserved) if reserved >= 0 else None)
 
 
 def _calibration_metrics(decision: Decision) -> dict[str, float]:
@@ -336,6 +339,8 @@ def _calibration_metrics(decision: Decision) -> dict[str, float]:
     if decision.measured.peak_bytes is not None:
         metrics["elixir/calibration/measured_peak_mib"] = decision.measured.peak_bytes / MiB
         metrics["elixir/calibration/predicted_peak_mib"] = decision.predicted_peak_bytes / MiB
+    if decision.measured.reserved_bytes is not None:
+        metrics["elixir/calibration/measured_reserved_mib"] = decision.measured.reserved_bytes / MiB
     calibration = decision.calibration
     if calibration is not None:
         metrics.update({"elixir/calibration/compute_scale": calibration.compute_scale,

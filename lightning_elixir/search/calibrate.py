@@ -31,6 +31,16 @@ search. It switches only when the new winner is a different plan predicted faste
 plan, under the same calibrated model, by ``margin``: both predictions carry the same errors, so
 the comparison is fairer than either number, and a small gain is not worth the risk of a wrong one.
 The factors are clamped to [1/100, 100].
+
+[Note: memory in the self-correction]
+On a GPU the budget is not all the plan's: the caching allocator reserves more than the peak it
+hands out (blocks cached for reuse, fragmentation), and that share is lost to any plan. A switch
+once chose a plan predicted at the budget's edge that then ran out of memory in the loss. So with a
+measured peak, the search runs on the budget less what the allocator reserved beyond its peak, on
+profiles whose activations match the measured peak: no plan it may switch to is predicted above the
+running plan's measured peak plus the budget's real headroom (budget less reserved). When nothing
+fits that, it keeps the running plan and says that memory is why ("no-fit"). Without a
+measurement (the CPU) the budget is the first search's.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from lightning_elixir.search.cost import CostBreakdown, hides_host_work
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.evaluate import evaluate_plan
 from lightning_elixir.search.options import SearchOptions
-from lightning_elixir.search.report import SearchReport, format_ms
+from lightning_elixir.search.report import SearchReport, format_bytes, format_ms
 from lightning_elixir.search.search import search
 
 FACTOR_LIMIT = 100.0
@@ -67,12 +77,21 @@ class StepMeasurement:
     optimizer_s: float = 0.0
     """The optimizer step."""
     peak_bytes: Optional[int] = None
-    """Device memory peak of a step (the CUDA allocator's), when measured."""
+    """Device memory peak of a step (the CUDA allocator's allocated bytes), when measured."""
+    reserved_bytes: Optional[int] = None
+    """The allocator's reserved peak (allocated plus what it caches and loses to fragmentation), when measured."""
 
     def __post_init__(self) -> None:
         times = (self.step_s, self.gather_wait_s, self.reduce_wait_s, self.offload_wait_s, self.optimizer_s)
         if not all(math.isfinite(t) and t >= 0 for t in times) or self.step_s <= 0:
             raise ValueError(f"a step measurement needs finite times >= 0 and a positive step, got {times}")
+
+    @property
+    def allocator_overhead_bytes(self) -> int:
+        """What the allocator reserved beyond the peak it handed out: memory no plan's tensors can use."""
+        if self.peak_bytes is None or self.reserved_bytes is None:
+            return 0
+        return max(self.reserved_bytes - self.peak_bytes, 0)
 
     @property
     def wait_s(self) -> float:
@@ -123,7 +142,7 @@ class Decision:
     outcome: str = "within"
     """"within" (the prediction was close enough), "same" (the calibrated search picks the running plan
     again), "margin" (another plan, not faster by the margin), "no-fit" (nothing fits the calibrated
-    model) or "switch"."""
+    model; with a measured peak, within the memory the allocator leaves) or "switch"."""
     plan: Optional[ElixirPlan] = None
     """The plan to switch to; None to keep the running one."""
     report: Optional[SearchReport] = None
@@ -201,10 +220,15 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
                   if calibration.host_update_scale != calibration.optimizer_scale else ""))
     start = (f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} ({error:+.0%}); "
              f"{factors}")
+    overhead = measured.allocator_overhead_bytes
+    usable = budget_bytes - overhead  # [Note: memory in the self-correction]
+    within = (f" within the {format_bytes(usable)} the allocator leaves of the {format_bytes(budget_bytes)} budget "
+              f"(it reserved {format_bytes(overhead)} beyond its peak)" if overhead else "")
     try:
-        best, report = search(calibration.model, calibration.hardware, budget_bytes, options)
+        best, report = search(calibration.model, calibration.hardware, usable, options)
     except NoPlanFitsError as err:
-        reason = f"{start}; no plan fits the calibrated model ({str(err).splitlines()[0]}): keeping the plan"
+        reason = (f"{start}; no plan fits the calibrated model{within} ({str(err).splitlines()[0]}): "
+                  "keeping the plan")
         return Decision(measured, step_s, peak, calibration, "no-fit", reason=reason)
     running = calibration.after.step_s
     if _same_plan(best, report.winner.cache_blocks, plan, predicted.sim.cache_blocks):

@@ -115,3 +115,39 @@ def test_a_slow_host_moves_offloaded_state_back_to_the_device():
     assert decision.outcome == "switch" and decision.plan is not None
     assert sum(c.placement != "device" for c in decision.plan.chunks) < offloaded
     assert "host updates x" in decision.reason
+
+
+def test_the_switch_searches_within_what_the_allocator_leaves():
+    """[Note: memory in the self-correction]: the allocator reserved 1 GiB beyond its measured peak, so
+    the plan switched to is the true profile's best for the budget less that, not for the whole budget."""
+    wrong = scale_collectives(TRUE, 10.0)
+    budget, overhead = 5 * GiB, 1 * GiB
+    running, _ = search(MODEL, wrong, budget, OPTIONS)
+    peak = evaluate_plan(running, MODEL, TRUE, OPTIONS).memory.peak_bytes  # the activations as predicted
+    measured = dataclasses.replace(measure(running), peak_bytes=peak, reserved_bytes=peak + overhead)
+    assert measured.allocator_overhead_bytes == overhead
+    decision = reconsider(running, MODEL, wrong, budget, OPTIONS, measured, margin=0.0)
+    assert decision.report is not None and decision.report.budget_bytes == budget - overhead
+    assert decision.report.winner.peak_bytes <= peak + budget - measured.reserved_bytes
+    within, within_report = search(MODEL, TRUE, budget - overhead, OPTIONS)
+    whole, whole_report = search(MODEL, TRUE, budget, OPTIONS)
+    def shape(c):
+        return c.chunks, c.cache_blocks, c.prefetch_depth, c.cpu_chunks, c.nvme_chunks
+
+    assert shape(within_report.winner) != shape(whole_report.winner)  # the overhead matters here
+    assert shape(decision.report.winner) == shape(within_report.winner)
+    if decision.outcome == "switch":
+        assert (decision.plan.chunks, decision.plan.cache_blocks) == (within.chunks, within.cache_blocks)
+    else:  # here the running plan, measured to fit, is faster than anything predicted to fit what is left
+        assert decision.outcome in ("same", "margin") and decision.plan is None
+
+
+def test_no_switch_when_nothing_fits_what_the_allocator_leaves():
+    wrong = scale_collectives(TRUE, 10.0)
+    budget = 4 * GiB
+    running, _ = search(MODEL, wrong, budget, OPTIONS)
+    peak = evaluate_plan(running, MODEL, TRUE, OPTIONS).memory.peak_bytes
+    measured = dataclasses.replace(measure(running), peak_bytes=peak, reserved_bytes=peak + 3 * GiB)
+    decision = reconsider(running, MODEL, wrong, budget, OPTIONS, measured)
+    assert decision.plan is None and decision.outcome == "no-fit"
+    assert "the allocator leaves" in decision.reason and "keeping the plan" in decision.reason
