@@ -42,11 +42,11 @@ speed on the device and on the CPU, NVMe bandwidth. Takes seconds on a CPU, abou
 HARDWARE_EXAMPLES = """\
 examples:
   # this machine's CPU, measured as 2 processes (like configs/gpt_cpu.yaml trains):
-  lightning-elixir hardware --device cpu --devices 2 --out configs/hardware/local-cpu-x2.json
+  lightning-elixir hardware --device cpu --devices 2 --out my-cpu-x2.json
   # a GPU node, all its GPUs (one process each, NCCL collectives between them):
-  lightning-elixir hardware --device cuda --out configs/hardware/my-node.json
+  lightning-elixir hardware --device cuda --out my-node.json
   # then plan for it:
-  lightning-elixir plan --config configs/gpt2_20b.yaml --hardware configs/hardware/my-node.json --devices 8
+  lightning-elixir plan --config configs/gpt2_20b.yaml --hardware my-node.json --devices 8
 
 The collectives are measured between the --devices processes: measure with as many devices per
 node as you train on. Results are also cached in ~/.cache/lightning_elixir, where plan="auto"

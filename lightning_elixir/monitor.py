@@ -239,7 +239,7 @@ class ElixirMonitor(Callback):
         plan = strategy.broadcast(decision.plan)  # rank 0's conclusion, on every rank
         decision = dataclasses.replace(decision, plan=plan)
         self.decision = decision
-        rank_zero_info(f"Elixir: after {self.calibration_steps} steps, {decision.reason}")
+        console(trainer, f"Elixir: after {self.calibration_steps} steps, {decision.reason}")
         if plan is not None:
             calibration = decision.calibration
             assert calibration is not None and decision.report is not None
@@ -265,6 +265,18 @@ class ElixirMonitor(Callback):
 
 
 # ---- what is logged ---------------------------------------------------------------------------------
+
+
+def console(trainer: Any, text: str) -> None:
+    """One line for the user on rank 0: through the progress bar while one is drawn (its own print
+    keeps the bar's line intact), else through logging, as Lightning's messages."""
+    if not trainer.is_global_zero:
+        return
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None and getattr(bar, "is_enabled", False) and not getattr(bar, "is_disabled", False):
+        bar.print(text)
+    else:
+        rank_zero_info(text)
 
 
 def _progress_lines(planning: PlanningResult) -> str:
@@ -320,13 +332,15 @@ def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
 
 def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
     """The median of each measured column over the steps, the largest over ranks."""
-    medians = torch.tensor([statistics.median(column) for column in zip(*samples)], dtype=torch.float64,
+    steps = [sample[0] for sample in samples]
+    spread = (max(steps) - min(steps)) / statistics.median(steps) if statistics.median(steps) > 0 else 0.0
+    medians = torch.tensor([statistics.median(column) for column in zip(*samples)] + [spread], dtype=torch.float64,
                            device=runtime.device)
-    step_s, *waits, peak, reserved = collectives.all_reduce_max(medians, runtime.group).tolist()
+    step_s, *waits, peak, reserved, spread = collectives.all_reduce_max(medians, runtime.group).tolist()
     phases = dict(zip(PHASES, waits))
     return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
                            offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
-                           peak_bytes=int(peak) if peak >= 0 else None,
+                           spread=spread, peak_bytes=int(peak) if peak >= 0 else None,
                            reserved_bytes=int(reserved) if reserved >= 0 else None)
 
 
@@ -397,6 +411,10 @@ def _log_figure(trainer: Any, directory: Optional[str], predicted: Optional[Memo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        where = os.path.join(directory, FIGURE_FILE) if directory else FIGURE_FILE
+        console(trainer, f"Elixir: the memory timeline figure ({where}, and elixir/memory_timeline on "
+                         "TensorBoard) needs matplotlib: pip install matplotlib (or lightning-elixir[plot]). "
+                         "Its numbers are logged as scalars meanwhile.")
         return
     if not measured.labels:  # no access acquired a public chunk (every chunk private): nothing to draw
         return

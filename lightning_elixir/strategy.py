@@ -72,6 +72,17 @@ def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optio
     return limit
 
 
+def describe_runtime(runtime: ElixirRuntime) -> str:
+    """The running plan in the search report's words (``chunk=... blocks=... prefetch=... offload=...``),
+    from the chunks the runtime built (a preset's default chunk size included)."""
+    chunks, public = runtime.chunks, runtime.public
+    blocks = "all" if runtime.resident or runtime.cache.capacity >= len(public) else str(runtime.cache.capacity)
+    cpu = sum(c.placement == "cpu" for c in chunks)
+    nvme = sum(c.placement == "nvme" for c in chunks)
+    return (f"chunk={max((c.numel for c in chunks), default=0):,} blocks={blocks} "
+            f"prefetch={runtime.plan.prefetch_depth} offload={cpu}cpu+{nvme}nvme/{len(chunks)}")
+
+
 def _holds_meta(module: Any) -> bool:
     """Whether ``module`` still has meta tensors (setup failed before materialising them): moving it would
     raise over the error that stopped the run."""
@@ -338,14 +349,14 @@ class ElixirStrategy(ParallelStrategy):
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
         plan = self._plan_for(trainer)
-        placed = ", ".join(f"{sum(c.placement == p for c in plan.chunks)} {p}" for p in ("device", "cpu", "nvme"))
-        rank_zero_info(f"Elixir plan {plan.name!r}: chunk_numel={plan.chunk_numel}, cache_blocks={plan.cache_blocks}, "
-                       f"prefetch_depth={plan.prefetch_depth}" + (f", sharded state: {placed}" if plan.offloads else ""))
         deferred, self._deferred = self._deferred, []  # replayed into this model's chunks, then not needed
-        return ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
-                             group=self._group(), private_params=self.private_params,
-                             grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
-                             nvme_path=self.nvme_path, deferred=deferred)
+        runtime = ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
+                                group=self._group(), private_params=self.private_params,
+                                grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
+                                nvme_path=self.nvme_path, deferred=deferred)
+        if self.planning is None or self.planning.report is None:  # a searched plan was described by the search
+            rank_zero_info(f"Elixir: running plan {plan.name!r}: {describe_runtime(runtime)}")
+        return runtime
 
     @property
     def may_replan(self) -> bool:

@@ -102,5 +102,41 @@ def test_the_saved_plan_trains_again_without_searching(cpu_run, tmp_path):
     out = _fit(tmp_path, 2, "--trainer.strategy=lightning_elixir.ElixirStrategy",
                f"--trainer.strategy.init_args.plan={path}")
     assert "Elixir: planning" not in out  # the monitor's first line when it searches
-    assert f"chunk_numel={saved.chunk_numel}, cache_blocks={saved.cache_blocks}" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("Elixir: running plan")]  # one line, not two
+    blocks = "all" if saved.cache_blocks == "all" else str(saved.cache_blocks)
+    assert f"chunk={saved.chunk_numel:,} blocks={blocks} prefetch={saved.prefetch_depth}" in line, line
+    assert "None" not in line
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in out
+
+
+def _readme_tags() -> set[str]:
+    """Every full ``elixir/...`` tag the README's monitor section names, braces expanded."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## ElixirMonitor"):text.index("## Further reading")]
+    tags = set()
+    for tag in re.findall(r"`(elixir/[^`]+)`", section):
+        match = re.search(r"\{([^}]*)\}", tag)
+        options = match.group(1).split(",") if match else [""]
+        tags |= {tag[:match.start()] + o + tag[match.end():] if match else tag for o in options}
+    return tags
+
+
+CONDITIONAL = {  # logged only on CUDA, or only when the self-correction calibrated: named in the source instead
+    "elixir/memory/device_peak_mib", "elixir/calibration/compute_scale", "elixir/calibration/bandwidth_scale",
+    "elixir/calibration/optimizer_scale", "elixir/calibration/host_update_scale",
+    "elixir/calibration/calibrated_step_ms",
+}
+
+
+def test_every_tag_the_readme_names_is_logged(cpu_run):
+    tags = cpu_run["events"].Tags()
+    logged = set(tags["scalars"]) | set(tags["images"]) | {t.removesuffix("/text_summary") for t in tags["tensors"]}
+    hparams = (cpu_run["logs"] / "hparams.yaml").read_text()
+    logged |= {line.split(":")[0].strip() for line in hparams.splitlines() if line.startswith("elixir/")}
+    source = (REPO / "lightning_elixir" / "monitor.py").read_text()
+    readme = _readme_tags()
+    assert len(readme) > 30, readme
+    missing = sorted(t for t in readme if t not in logged and not (t in CONDITIONAL and f'"{t}"' in source))
+    assert not missing, f"the README names tags that are not logged: {missing}"

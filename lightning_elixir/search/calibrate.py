@@ -30,7 +30,9 @@ matches it. The search then runs again on the calibrated profiles and the budget
 search. It switches only when the new winner is a different plan predicted faster than the running
 plan, under the same calibrated model, by ``margin``: both predictions carry the same errors, so
 the comparison is fairer than either number, and a small gain is not worth the risk of a wrong one.
-The factors are clamped to [1/100, 100].
+The factors are clamped to [1/100, 100]. A measurement that needs a factor at its limit, or whose
+steps varied by more than their median, is not calibrated from ("noisy"): a step of a few
+milliseconds on a shared CPU is mostly noise, and factors printed at their clamp explain nothing.
 
 [Note: memory in the self-correction]
 On a GPU the budget is not all the plan's: the caching allocator reserves more than the peak it
@@ -60,6 +62,8 @@ from lightning_elixir.search.report import SearchReport, format_bytes, format_ms
 from lightning_elixir.search.search import search
 
 FACTOR_LIMIT = 100.0
+NOISY = 1.0
+"""Steps that vary by more than this fraction of their median are not calibrated from."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class StepMeasurement:
     """The optimizer step."""
     peak_bytes: Optional[int] = None
     """Device memory peak of a step (the CUDA allocator's allocated bytes), when measured."""
+    spread: float = 0.0
+    """How much the measured steps varied: (slowest - fastest) / median step, 0 when unknown."""
     reserved_bytes: Optional[int] = None
     """The allocator's reserved peak (allocated plus what it caches and loses to fragmentation), when measured."""
 
@@ -142,7 +148,8 @@ class Decision:
     outcome: str = "within"
     """"within" (the prediction was close enough), "same" (the calibrated search picks the running plan
     again), "margin" (another plan, not faster by the margin), "no-fit" (nothing fits the calibrated
-    model; with a measured peak, within the memory the allocator leaves) or "switch"."""
+    model; with a measured peak, within the memory the allocator leaves), "noisy" (the steps were too
+    short or too noisy to calibrate from) or "switch"."""
     plan: Optional[ElixirPlan] = None
     """The plan to switch to; None to keep the running one."""
     report: Optional[SearchReport] = None
@@ -213,7 +220,21 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
         return Decision(measured, step_s, peak, None,
                         reason=f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} "
                                f"({error:+.0%}, within {threshold:.0%}): keeping the plan")
+    if measured.spread > NOISY:
+        reason = (f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} ({error:+.0%}), "
+                  f"but the steps varied by {measured.spread:.0%} of their median: too noisy to calibrate from, "
+                  "keeping the plan")
+        return Decision(measured, step_s, peak, None, "noisy", reason=reason)
     calibration = calibrate(plan, model, hardware, options, measured)
+    clamped = [name for name, f in (("compute", calibration.compute_scale), ("bandwidth", calibration.bandwidth_scale),
+                                    ("optimizer", calibration.optimizer_scale),
+                                    ("host updates", calibration.host_update_scale))
+               if f >= FACTOR_LIMIT or f <= 1.0 / FACTOR_LIMIT]
+    if clamped:
+        reason = (f"measured {format_ms(measured.step_s)} per step, predicted {format_ms(step_s)} ({error:+.0%}); "
+                  f"no correction of the {' and '.join(clamped)} within {FACTOR_LIMIT:.0f}x explains it: the step is "
+                  "too short or too noisy to calibrate from, keeping the plan")
+        return Decision(measured, step_s, peak, None, "noisy", reason=reason)
     factors = (f"calibrated compute x{calibration.compute_scale:.2f}, collectives' bandwidth "
                f"x{calibration.bandwidth_scale:.2f}, optimizer x{calibration.optimizer_scale:.2f}"
                + (f", host updates x{calibration.host_update_scale:.2f}"

@@ -151,3 +151,17 @@ def test_no_switch_when_nothing_fits_what_the_allocator_leaves():
     decision = reconsider(running, MODEL, wrong, budget, OPTIONS, measured)
     assert decision.plan is None and decision.outcome == "no-fit"
     assert "the allocator leaves" in decision.reason and "keeping the plan" in decision.reason
+
+
+def test_steps_too_noisy_or_too_short_are_not_calibrated_from():
+    plan, _ = search(MODEL, TRUE, 8 * GiB, OPTIONS)
+    noisy = dataclasses.replace(measure(plan), step_s=measure(plan).step_s * 3, spread=1.5)
+    decision = reconsider(plan, MODEL, TRUE, 8 * GiB, OPTIONS, noisy)
+    assert decision.outcome == "noisy" and decision.plan is None and decision.calibration is None
+    assert "too noisy to calibrate from" in decision.reason
+    # a step 50x the prediction, all of it "optimizer": no factor within the limit explains it
+    real = measure(plan)
+    short = dataclasses.replace(real, step_s=real.step_s * 500, optimizer_s=real.step_s * 499)
+    decision = reconsider(plan, MODEL, TRUE, 8 * GiB, OPTIONS, short)
+    assert decision.outcome == "noisy" and decision.plan is None
+    assert "too short or too noisy to calibrate from" in decision.reason and "x100" not in decision.reason
