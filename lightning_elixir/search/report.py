@@ -114,6 +114,9 @@ class SearchReport:
     """Candidates evaluated (chunk size x cache blocks x prefetch depth x placement)."""
     placement_reason: str = ""
     """Why the winner's state sits where it does, e.g. what keeping it all on the device would need."""
+    min_offload_gain: float = 0.0
+    """How much faster a plan that offloads more chunks must be predicted to win ([Note: offloading for
+    speed] in search.py): candidates listed faster than the winner were overruled by it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -166,8 +169,18 @@ class SearchReport:
             f"private {format_bytes(m.private_bytes)}, reduce buffers {format_bytes(m.reduce_buffer_bytes)}, "
             f"activations {format_bytes(m.activation_bytes)}, margin {format_bytes(m.margin_bytes)}",
         ]
-        lines += [f"  {i}. {cand.describe()}" for i, cand in enumerate(self.candidates, 1)]
+        lines += [f"  {i}. {cand.describe()}{self._overruled(cand)}" for i, cand in enumerate(self.candidates, 1)]
         return "\n".join(lines)
+
+    def _overruled(self, cand: Candidate) -> str:
+        """Why a candidate predicted faster than the winner lost: it offloads more, for too little gain."""
+        w = self.winner
+        if cand is w or cand.step_s >= w.step_s:
+            return ""
+        gain = 1.0 - cand.step_s / w.step_s
+        more = cand.offloaded - w.offloaded
+        return (f"  <- {gain:.1%} faster but offloads {more} more chunk(s); offloading must gain "
+                f"{self.min_offload_gain:.0%} to win")
 
 
 def format_ms(seconds: float) -> str:

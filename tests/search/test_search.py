@@ -163,6 +163,14 @@ def test_report_explains_the_choice():
     assert {s.chunk_numel for s in report.layouts} == set(candidate_chunk_numels(model, options))
     assert "predicted/lower bound" in report.summary()
     assert report.to_dict()["candidates"][0]["step_s"] == report.winner.step_s
+    # every listed candidate predicted faster than the winner is marked as overruled by the offload rule
+    assert report.min_offload_gain == options.min_offload_gain
+    lines = report.summary().splitlines()[-len(report.candidates):]
+    for line, cand in zip(lines, report.candidates):
+        overruled = cand.step_s < report.winner.step_s
+        assert ("faster but offloads" in line) == overruled, line
+        if overruled:
+            assert f"{cand.offloaded - report.winner.offloaded} more chunk(s)" in line
 
 
 def test_the_report_names_where_chunks_went_and_why():
