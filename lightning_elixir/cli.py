@@ -6,7 +6,7 @@
     lightning-elixir convert <sharded_dir> <out.ckpt>            # a sharded checkpoint as one file
 
 Class paths in configs resolve from the working directory too (as with ``python -m``), so a
-project's own modules, such as ``examples.gpt.GPTLightningModule``, can be named in a YAML.
+project's own modules, such as ``lightning_elixir.demos.gpt.GPTLightningModule``, can be named in a YAML.
 
 ``convert`` turns a sharded checkpoint directory into one full Lightning checkpoint file, in one
 process on the CPU, without the model. ``plan`` lives in plan_cli.py.

@@ -322,7 +322,7 @@ def main(argv: Sequence[str]) -> None:
     _check_paths(parser, args)
     _check_limits(parser, args)
     hardware = _load_hardware(parser, args.hardware)
-    if os.getcwd() not in sys.path:  # class paths such as examples.gpt.GPTLightningModule, as for `fit`
+    if os.getcwd() not in sys.path:  # class paths such as lightning_elixir.demos.gpt.GPTLightningModule, as for `fit`
         sys.path.insert(0, os.getcwd())
     inputs = read_config(args.config, overrides)
     devices = args.devices or inputs.devices

@@ -18,7 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from examples.gpt import BigramDataModule, GPTLightningModule
+from lightning_elixir.demos.gpt import BigramDataModule, GPTLightningModule
 from lightning_elixir import ElixirStrategy
 from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, is_temp_name, temp_name
 from tests.distributed import free_port

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch._subclasses.fake_tensor import FakeTensor
 
-from examples.gpt import BigramDataModule, GPTLightningModule
+from lightning_elixir.demos.gpt import BigramDataModule, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy, cli
 from lightning_elixir.plan_cli import example_batch
 from lightning_elixir.profile import HardwareProfile
@@ -33,7 +33,7 @@ print(json.dumps({"rc": done.returncode, "stdout": done.stdout, "stderr": done.s
 
 @pytest.fixture
 def at_root(monkeypatch):
-    """Run from the repository root, as the configs' class paths (examples.gpt) expect."""
+    """Run from the repository root, as the configs' class paths (lightning_elixir.demos.gpt) expect."""
     monkeypatch.chdir(ROOT)
 
 
@@ -144,7 +144,7 @@ def test_every_config_parses_with_lightning_cli(at_root, config, capsys):
         cli.main(["fit", "--config", str(config.relative_to(ROOT)), "--print_config"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "examples.gpt.GPTLightningModule" in printed and "strategy:" in printed
+    assert "lightning_elixir.demos.gpt.GPTLightningModule" in printed and "strategy:" in printed
 
 
 def test_hardware_profiles_load_and_gpu_ones_say_they_are_estimates():

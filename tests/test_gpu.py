@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.layout import resolve_specs

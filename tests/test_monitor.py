@@ -23,8 +23,10 @@ def _fit(root: Path, steps: int, *args: str) -> str:
     """``lightning-elixir fit --config configs/gpt_cpu.yaml`` for ``steps`` steps on 2 CPU processes; its output."""
     # Without the launch variables earlier in-process fits leave behind: with LOCAL_RANK set, Lightning
     # takes the processes for launched externally and rank 0 waits for a rank 1 nobody starts.
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    env.update(PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()))
+    # Nor PYTHONPATH, and from a directory outside the repository: the config's classes (the package's
+    # demos) resolve wherever the installed package is run.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES | {"PYTHONPATH"}}
+    env.update(MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, "-m", "lightning_elixir.cli", "fit", "--config",
                            str(REPO / "configs/gpt_cpu.yaml"), f"--trainer.max_steps={steps}",
                            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",

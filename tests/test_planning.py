@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
-from examples.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
+from lightning_elixir.demos.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.planner import OffloadSettings, plan_automatically
 from lightning_elixir.profile import profile_model

@@ -25,7 +25,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.profile.types import HardwareProfile

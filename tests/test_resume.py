@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.runtime.sharded import convert_sharded_to_full
 from tests.distributed import free_port

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
-from examples.gpt import BigramDataModule, GPTLightningModule
+from lightning_elixir.demos.gpt import BigramDataModule, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.checkpoint_io import AtomicCheckpointIO, is_temp_name
 from lightning_elixir.runtime.runtime import ElixirRuntime

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_elixir
-from examples.gpt import BigramDataModule, BigramTokens, GPTLightningModule
+from lightning_elixir.demos.gpt import BigramDataModule, BigramTokens, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy, PlanError
 from lightning_elixir.runtime.layout import resolve_specs
 from tests.distributed import free_port

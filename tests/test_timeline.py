@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan
 from lightning_elixir.plan import CACHE_MIN, REDUCE_BUFFERS
 from lightning_elixir.profile import ModelProfile, profile_model

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from lightning_elixir.demos.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_elixir.plan import ElixirPlan  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402
 from lightning_elixir.runtime.runtime import ElixirRuntime  # noqa: E402

@@ -15,7 +15,7 @@ also "fsdp" and "fsdp_offload" (Lightning's FSDP, FULL_SHARD per block, the seco
 and "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload" (optimizer and parameters on the
 host, with DeepSpeed's host AdamW); a system whose package does not import is a "not installable" row.
 
-Both workloads train on examples/llama.py's generated tokens, with fp32 AdamW state (bf16-mixed
+Both workloads train on lightning_elixir/demos/llama.py's generated tokens, with fp32 AdamW state (bf16-mixed
 compute on a GPU). Every run of a system is a fresh set of processes this script launches itself (one
 per rank, all at once, as torchrun would); each rank writes its results as JSON. Every system runs
 ``--rounds`` times, the order reversed every other round so that drifting load hits all alike; the

@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> dict:
     import lightning as L
     import torch
 
-    from examples.llama import RepeatDataModule
+    from lightning_elixir.demos.llama import RepeatDataModule
 
     L.seed_everything(0)
     module = build_module(args)

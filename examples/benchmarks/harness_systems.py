@@ -18,7 +18,7 @@ COMPILED = "+compile"
 def base_system(system: str) -> str:
     """The system without its ``COMPILED`` suffix."""
     return system.removesuffix(COMPILED)
-WORKLOADS = {"gpt": "examples.gpt:GPTLightningModule", "llama": "examples.llama:LlamaLightningModule"}
+WORKLOADS = {"gpt": "lightning_elixir.demos.gpt:GPTLightningModule", "llama": "lightning_elixir.demos.llama:LlamaLightningModule"}
 """Each workload's LightningModule ("module:class"), taking vocab_size, block_size, n_layer, n_head, n_embd."""
 
 

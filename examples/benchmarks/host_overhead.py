@@ -73,7 +73,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, checkpointing: bool) -> torch.nn.Module:
-    from examples.gpt import GPTLightningModule
+    from lightning_elixir.demos.gpt import GPTLightningModule
 
     torch.manual_seed(0)
     return GPTLightningModule(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,

@@ -51,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from lightning_elixir.demos.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan  # noqa: E402
 from lightning_elixir.runtime.layout import resolve_specs  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402

@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
     if args.model == "gpt":
-        from examples.gpt import GPTLightningModule as Module
+        from lightning_elixir.demos.gpt import GPTLightningModule as Module
     else:
-        from examples.llama import LlamaLightningModule as Module
+        from lightning_elixir.demos.llama import LlamaLightningModule as Module
     return Module(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                   n_head=args.n_head, n_embd=args.n_embd)
 

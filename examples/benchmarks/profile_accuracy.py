@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from examples.gpt import GPT, BigramTokens, GPTConfig, GPTLightningModule
+from lightning_elixir.demos.gpt import GPT, BigramTokens, GPTConfig, GPTLightningModule
 from lightning_elixir.profile import HardwareProfile, profile_hardware, profile_model
 
 SIZES = [  # (n_layer, n_embd, block_size, batch)

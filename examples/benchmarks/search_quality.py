@@ -6,8 +6,8 @@ before and after the self-correction ([Note: self-correction] in lightning_elixi
     python examples/benchmarks/search_quality.py --n-layer 2 --rounds 1 --timed-steps 2 --skip-20b  # quick
     python examples/benchmarks/search_quality.py --model llama --n-layer 2 --rounds 1 --timed-steps 2 --skip-20b
 
-Two spawned ranks (one CPU thread each) profile the model (examples/gpt.py: tied head, biases,
-GELU; or examples/llama.py: RMSNorm, rotary positions, SwiGLU, untied head, no biases; the same
+Two spawned ranks (one CPU thread each) profile the model (lightning_elixir/demos/gpt.py: tied head, biases,
+GELU; or lightning_elixir/demos/llama.py: RMSNorm, rotary positions, SwiGLU, untied head, no biases; the same
 default size, ~5-6M parameters) and this process group, then run every plan of a grid (chunk sizes x
 cache blocks x prefetch depth, drawn from the space the search enumerates) for a few steps. A step is
 forward, loss, backward and the sharded AdamW step, timed after a barrier; a plan's time is the
@@ -57,8 +57,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.gpt import GPT, GPTConfig  # noqa: E402
-from examples.llama import Llama, LlamaConfig  # noqa: E402
+from lightning_elixir.demos.gpt import GPT, GPTConfig  # noqa: E402
+from lightning_elixir.demos.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan  # noqa: E402
 from lightning_elixir.profile import HardwareProfile, ModelProfile, profile_hardware, profile_model  # noqa: E402
 from lightning_elixir.runtime import collectives  # noqa: E402
@@ -94,7 +94,7 @@ GOAL_PEAK_ERROR = 0.05
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="gpt",
-                   help="examples/gpt.py (tied head, biases, GELU) or examples/llama.py (RMSNorm, rotary, SwiGLU)")
+                   help="lightning_elixir/demos/gpt.py (tied head, biases, GELU) or lightning_elixir/demos/llama.py (RMSNorm, rotary, SwiGLU)")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=8)

@@ -69,7 +69,7 @@ def run_one(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import Callback
 
     import lightning_elixir  # noqa: F401
-    from examples.gpt import BigramDataModule, GPTLightningModule
+    from lightning_elixir.demos.gpt import BigramDataModule, GPTLightningModule
     from lightning_elixir import ElixirStrategy
     from lightning_elixir.plan import PRESETS
 

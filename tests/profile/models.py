@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from examples.gpt import BigramTokens, GPTLightningModule
+from lightning_elixir.demos.gpt import BigramTokens, GPTLightningModule
 
 
 class MLP(nn.Module):

@@ -15,7 +15,7 @@ SCRIPT = r"""
 import json, resource, time
 import torch
 import torch.nn.functional as F
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.profile.model import profile_model
 
 config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=64, n_embd=8192)

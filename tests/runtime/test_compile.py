@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.plan import CACHE_MIN, ElixirPlan
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime

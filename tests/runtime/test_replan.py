@@ -16,7 +16,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from examples.gpt import GPT
+from lightning_elixir.demos.gpt import GPT
 from lightning_elixir.plan import CACHE_ALL, CACHE_MIN, ElixirPlan
 from lightning_elixir.runtime.layout import resolve_specs
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from examples.gpt import GPT
+from lightning_elixir.demos.gpt import GPT
 from lightning_elixir import cli
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.runtime.layout import resolve_specs

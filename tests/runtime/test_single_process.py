@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ChunkSpec, ElixirPlan, PlanError
 from lightning_elixir.runtime.cache import CacheTooSmallError
 from lightning_elixir.runtime.optim import elementwise_optimizer, optimizer_step, shard_optimizer

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from examples.gpt import GPT, GPTConfig
+from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.runtime.optim import DynamicLossScaler, shard_optimizer
 from lightning_elixir.runtime.optim import optimizer_step as elixir_step

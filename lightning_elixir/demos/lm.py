@@ -1,7 +1,7 @@
 """What the example language models share: the LightningModule's training logic and the data module's loaders.
 
-``CausalLM`` trains any ``nn.Module`` that maps token ids to next-token logits (examples/gpt.py,
-examples/llama.py): next-token cross-entropy computed in fp32, AdamW with weight decay on matrices
+``CausalLM`` trains any ``nn.Module`` that maps token ids to next-token logits (lightning_elixir/demos/gpt.py,
+lightning_elixir/demos/llama.py): next-token cross-entropy computed in fp32, AdamW with weight decay on matrices
 only. A subclass says how to build its model (``build_model``); with ``meta_init=True`` the model is
 built in ``configure_model``, on the meta device under a sharding strategy, and takes its modules'
 own ``reset_parameters`` initialisation. ``TokenDataModule`` serves a subclass's train and validation

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
 
-from examples.lm import CausalLM, TokenDataModule
+from lightning_elixir.demos.lm import CausalLM, TokenDataModule
 
 
 @dataclass
@@ -109,7 +109,7 @@ class GPT(nn.Module):
 
 
 class GPTLightningModule(CausalLM):
-    """GPT language model: next-token cross-entropy, AdamW with decay on matrices only (examples/lm.py)."""
+    """GPT language model: next-token cross-entropy, AdamW with decay on matrices only (lightning_elixir/demos/lm.py)."""
 
     def __init__(
         self,

@@ -10,8 +10,8 @@ the block length, its tokens drawn from a fixed Zipf-like distribution. Early st
 token frequencies; later ones learn to copy from one period back, which needs attention and
 positions. Every rank generates the same data from the seed.
 
-    lightning-elixir fit --model examples.llama.LlamaLightningModule \\
-        --data examples.llama.RepeatDataModule --trainer.strategy elixir_zero2 \\
+    lightning-elixir fit --model lightning_elixir.demos.llama.LlamaLightningModule \\
+        --data lightning_elixir.demos.llama.RepeatDataModule --trainer.strategy elixir_zero2 \\
         --trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 20
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
 
-from examples.lm import CausalLM, TokenDataModule
+from lightning_elixir.demos.lm import CausalLM, TokenDataModule
 
 
 @dataclass
@@ -195,7 +195,7 @@ class Llama(nn.Module):
 
 
 class LlamaLightningModule(CausalLM):
-    """Llama language model: next-token cross-entropy, AdamW with decay on matrices only (examples/lm.py).
+    """Llama language model: next-token cross-entropy, AdamW with decay on matrices only (lightning_elixir/demos/lm.py).
 
     With ``meta_init=True`` the model is built in ``configure_model`` (on the meta device under a
     sharding strategy); the parameters then take their modules' own ``reset_parameters`` init.
