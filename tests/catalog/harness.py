@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
 WORLD_SIZE = 2
-STRATEGIES = ("ddp", "elixir", "zero3-1pp", "zero3-shared")
+STRATEGIES = ("ddp", "elixir", "elixir-tight", "zero3-1pp", "zero3-shared")
 PG_TIMEOUT_S = 60
 CASE_TIMEOUT_S = float(os.environ.get("CATALOG_CASE_TIMEOUT", 180))
 """The parent kills a pair that finished no case for this long (a hang the process group timeout missed)."""
@@ -99,11 +99,32 @@ def make_strategy(name: str, case: Any, plan: Any) -> Any:
 
     if name == "elixir":
         return ElixirStrategy(plan="auto")
+    if name == "elixir-tight":  # the budget is set by plan_within_a_tight_budget; a switch would search the whole one
+        return ElixirStrategy(plan="auto", replan=False)
     if name == "zero3-1pp":
         return ElixirStrategy(plan=plan)
     if name == "zero3-shared":
         return ElixirStrategy(plan=plan, private_params=case.private)
     raise ValueError(f"unknown strategy {name!r}")
+
+
+def plan_within_a_tight_budget() -> None:
+    """"elixir-tight": plan="auto", with every search given the budget halfway between what the most
+    frugal plan needs and the peak of the plan the whole budget would get (the planner's own numbers,
+    for each case's model and batch), so that the plan evicts gathered chunks or offloads state.
+
+    The budget is set here rather than as ``device_memory_limit`` because it depends on each model
+    and batch, and the search keeps a fixed workspace margin (256 MiB) far larger than these models."""
+    from lightning_elixir import planner
+    from lightning_elixir.search import search
+    from lightning_elixir.search.errors import frugal_plan
+
+    def tight_search(model: Any, hardware: Any, budget: int, options: Any) -> Any:
+        _, whole = search(model, hardware, budget, options)
+        least = frugal_plan(model, hardware, options).memory.peak_bytes
+        return search(model, hardware, max(least, (least + whole.winner.peak_bytes) // 2), options)
+
+    planner.search = tight_search
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,6 +241,10 @@ def _plan_of(strategy: Any) -> str:
     planning = getattr(strategy, "planning", None)
     if planning is not None and getattr(planning, "fallback_reason", None):
         return "fallback"
+    if planning is not None and planning.report is not None:  # a searched plan: how tight it runs
+        w = planning.report.winner
+        blocks = "all" if w.all_gathered else str(w.cache_blocks)
+        return f"auto (blocks {blocks}, {w.offloaded} of {w.chunks} chunks offloaded)"
     plan = getattr(strategy, "plan", None)
     return getattr(planning.plan if planning is not None else plan, "name", "") if plan is not None else ""
 
@@ -253,6 +278,9 @@ def _worker(rank: int, store_port: int, cases: list[str], strategy: str, out_dir
 
     init_group()
     import lightning_elixir  # noqa: F401  (registers the strategies, as a user's import would)
+
+    if strategy == "elixir-tight":
+        plan_within_a_tight_budget()
     from tests.catalog.models import BY_NAME
 
     for i, name in enumerate(cases):

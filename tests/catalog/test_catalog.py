@@ -1,4 +1,5 @@
-"""The catalog under DDP and under Elixir (plan="auto", a one-parameter-per-chunk ZeRO-3 plan, and small
+"""The catalog under DDP and under Elixir (plan="auto"; plan="auto" under a budget tight enough that its
+plan evicts or offloads, "elixir-tight" in harness.py; a one-parameter-per-chunk ZeRO-3 plan; and small
 chunks that several modules share with the fewest cache blocks and prefetch).
 
 All cases run under one strategy in one spawned pair of gloo CPU ranks (harness.py), once per
@@ -24,7 +25,7 @@ import pytest
 from tests.catalog import compare, harness
 from tests.catalog.models import BY_NAME, CASES, Case
 
-COMPARED = ("elixir", "zero3-1pp", "zero3-shared")
+COMPARED = ("elixir", "elixir-tight", "zero3-1pp", "zero3-shared")
 
 
 def _available(case: Case) -> bool:
