@@ -142,3 +142,50 @@ def test_every_tag_the_readme_names_is_logged(cpu_run):
     assert len(readme) > 30, readme
     missing = sorted(t for t in readme if t not in logged and not (t in CONDITIONAL and f'"{t}"' in source))
     assert not missing, f"the README names tags that are not logged: {missing}"
+
+
+class _Bar:
+    is_enabled, is_disabled = True, False
+
+    def __init__(self) -> None:
+        self.printed: list[str] = []
+
+    def print(self, text: str) -> None:
+        self.printed.append(text)
+
+
+class _Trainer:
+    def __init__(self, bar=None, rank_zero=True) -> None:
+        self.progress_bar_callback, self.is_global_zero = bar, rank_zero
+
+
+def test_console_lines_go_through_the_progress_bar_when_one_is_drawn(caplog):
+    from lightning_elixir.monitor import console
+
+    bar = _Bar()
+    console(_Trainer(bar), "Elixir: after 4 steps, keeping the plan")
+    assert bar.printed == ["Elixir: after 4 steps, keeping the plan"]
+    console(_Trainer(bar, rank_zero=False), "not on rank 1")
+    assert len(bar.printed) == 1
+    with caplog.at_level("INFO"):
+        console(_Trainer(None), "Elixir: without a bar")
+    assert "Elixir: without a bar" in caplog.text
+
+
+def test_without_matplotlib_the_figure_is_named_once_with_how_to_get_it(monkeypatch, tmp_path):
+    import builtins
+
+    from lightning_elixir import monitor
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    bar = _Bar()
+    monitor._log_figure(_Trainer(bar), str(tmp_path), None, None)
+    (line,) = bar.printed
+    assert str(tmp_path / monitor.FIGURE_FILE) in line and "pip install matplotlib" in line
