@@ -112,6 +112,9 @@ def plan_within_a_tight_budget() -> None:
     """"elixir-tight": plan="auto", with every search given the budget halfway between what the most
     frugal plan needs and the peak of the plan the whole budget would get (the planner's own numbers,
     for each case's model and batch), so that the plan evicts gathered chunks or offloads state.
+    For these small models it offloads: the search's chunk sizes do not go below a small model's
+    size, so a plan of one or two chunks saves memory by offloading, not by evicting (the explicit
+    ZeRO-3 plans, "zero3-1pp" and "zero3-shared", evict).
 
     The budget is set here rather than as ``device_memory_limit`` because it depends on each model
     and batch, and the search keeps a fixed workspace margin (256 MiB) far larger than these models."""
