@@ -274,6 +274,30 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
                  offload=offload)
 
 
+def value_dependent_params(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
+                           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype]) -> tuple[str, ...]:
+    """The parameters of the modules whose calls in the stage's step depend on tensor values (a
+    mixture of experts skipping experts no token chose: [Note: value-dependent module calls] in
+    profile/model.py), rank 0's answer on every rank. For a plan given by the user, which the profile
+    does not otherwise see; none when the step cannot be traced (as before: the plan runs as given)."""
+    step = stage_of(trainer)
+    names: tuple[str, ...] = ()
+    with preserved_rng(cuda=device.type == "cuda"):
+        try:
+            data = stage_batch(trainer, step)
+            profile = profile_model(module, data.batch, data.step_fn, backward=step.backward,
+                                    compute_dtype=autocast_dtype or compute_dtype, device=device,
+                                    param_dtype=compute_dtype)
+            names = tuple(profile.conditional_params)
+        except Exception as err:  # noqa: BLE001 (the real run shows real errors)
+            log.debug("could not trace %s to find value-dependent module calls", step.hook, exc_info=err)
+    if group.world_size > 1:
+        box = [names]
+        dist.broadcast_object_list(box, src=0, group=group.pg)
+        names = tuple(box[0])
+    return names
+
+
 def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device, group: Group,
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,

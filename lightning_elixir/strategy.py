@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import contextlib
 import itertools
 import logging
@@ -40,8 +41,8 @@ from lightning_elixir.averaging import install_averages, remove_averages
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
-from lightning_elixir.plan import ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
-from lightning_elixir.planner import PlanningResult
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
+from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
@@ -213,6 +214,8 @@ class ElixirStrategy(ParallelStrategy):
         self._group_timeout_s = collective_timeout_s
         Group(None, 0, 1, collective_timeout_s)  # validates it now, before launch
         self._failed = False
+        self._conditional: tuple[str, ...] = ()
+        """Parameters of modules that run on some ranks only, found for a plan given by the user."""
         self._averaging: list[Any] = []
         """Weight-averaging callbacks given sharded averages for this fit (averaging.py)."""
         self.planning: Optional[PlanningResult] = None
@@ -351,7 +354,7 @@ class ElixirStrategy(ParallelStrategy):
         plan = self._plan_for(trainer)
         deferred, self._deferred = self._deferred, []  # replayed into this model's chunks, then not needed
         runtime = ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
-                                group=self._group(), private_params=self.private_params,
+                                group=self._group(), private_params=self.private_params + self._conditional,
                                 grow_cache=self.planning is not None, broadcast_buffers=self.broadcast_buffers,
                                 nvme_path=self.nvme_path, deferred=deferred)
         if self.planning is None or self.planning.report is None:  # a searched plan was described by the search
@@ -372,10 +375,38 @@ class ElixirStrategy(ParallelStrategy):
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
-            return self.plan
+            return self._with_conditional_private(self.plan, trainer)
         # plans for the stage being run (fit, validate, test, predict), from that stage's own data
         self.planning = self.monitor(trainer).plan(trainer, self)
         return self.planning.plan
+
+    def _with_conditional_private(self, plan: ElixirPlan, trainer: Any) -> ElixirPlan:
+        """A plan given by the user, with the parameters of modules that run on some ranks only in private
+        chunks, as plan="auto" gives them ([Note: value-dependent module calls] in profile/model.py).
+
+        A plan that gathers chunks per hook unit would otherwise issue a gather on the ranks whose data
+        called such a module and none on the others. Found by tracing the stage's step on fake tensors,
+        only for plans that gather per unit on several ranks; an explicit layout gets the chunks that
+        hold them marked private."""
+        self._conditional = ()
+        if plan.cache_blocks == CACHE_ALL or self._group().world_size == 1:
+            return plan
+        precision = self.precision_plugin
+        names = value_dependent_params(self.model, trainer, device=self.root_device, group=self._group(),
+                                       compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype)
+        names = tuple(n for n in names if n not in self.private_params)
+        if not names:
+            return plan
+        self._conditional = names
+        modules = sorted({n.rpartition(".")[0] for n in names})
+        rank_zero_info(f"Elixir: {len(modules)} module(s) run on some ranks only ({', '.join(modules[:4])}"
+                       f"{', ...' if len(modules) > 4 else ''}): their parameters get private chunks")
+        if not plan.chunks:
+            return plan
+        chosen = set(names)
+        chunks = tuple(dataclasses.replace(c, private=True) if not c.private and chosen & set(c.params) else c
+                       for c in plan.chunks)
+        return dataclasses.replace(plan, chunks=chunks)
 
     def monitor(self, trainer: Any) -> ElixirMonitor:
         """The trainer's ElixirMonitor: the user's, or one added now ([Note: the planning callback])."""

@@ -401,8 +401,8 @@ def _diverged_message(group: Group, what: str) -> str:
             "optimizer step has used them). A module that holds parameters ran on some ranks only: a "
             "mixture-of-experts layer that skips the experts no token chose, code under `if self.global_rank == "
             "0`, a branch on each rank's data. Give that module's parameters private chunks "
-            "(ElixirStrategy(private_params=[...]); with plan='auto' the profile finds such modules when their "
-            "call depends on tensor values): they stay gathered through the step and every rank reduces them, "
+            "(ElixirStrategy(private_params=[...]); the strategy finds such modules itself when their call "
+            "depends on tensor values): they stay gathered through the step and every rank reduces them, "
             "so ranks may skip them. Or run the module on every rank and mask its output.")
 
 
