@@ -307,7 +307,8 @@ def default_chunk_numel(public_numels: Sequence[int], world_size: int = 1) -> in
     target = max(largest, min(DEFAULT_CHUNK_NUMEL, max(DEFAULT_MIN_CHUNK_NUMEL, -(-used // DEFAULT_MIN_CHUNKS))))
     high = round_up(target, world_size)
     count = len(_next_fit(numels, high))
-    low = min(high, max(largest, -(-used // count)))
+    # a lower bound: the elements themselves, without the alignment gaps that a split between chunks removes
+    low = min(high, max(largest, -(-sum(numels) // count)))
     while low < high:  # next-fit needs no more chunks when they grow, so the fewest is found by bisection
         mid = (low + high) // 2
         if len(_next_fit(numels, round_up(mid, world_size))) <= count:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_elixir.plan import ChunkSpec, pack_chunks
@@ -113,6 +113,7 @@ def test_gradients_land_after_the_recomputation_their_backward_waits_for():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 3_000_000), min_size=1, max_size=60), st.sampled_from([1, 2, 3, 8]))
+@example([524289, 524227], 1)  # alignment gaps once made the lower bound of the search too high
 def test_default_chunk_capacity_packs_as_few_chunks_with_little_padding(numels, world_size):
     from lightning_elixir.plan import (DEFAULT_CHUNK_NUMEL, DEFAULT_MIN_CHUNK_NUMEL, DEFAULT_MIN_CHUNKS,
                                        chunk_used_numel, default_chunk_numel, round_up)
