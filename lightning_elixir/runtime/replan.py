@@ -8,7 +8,8 @@ holding the model anywhere in full:
 1. For each old chunk, one at a time, its master shard is all-gathered, and every rank copies out
    the part of each parameter it owns under the new layout (``new_ranges``); the same for each
    per-element optimizer state (``exp_avg``, ...), through the same chunk-by-chunk records as full
-   checkpoints (state_dict.py), and for each companion shard ([Note: companion shards] in runtime.py). Scalar state (``step``) is copied as it is.
+   checkpoints (state_dict.py), and for each companion shard ([Note: companion shards] in
+   runtime.py). Scalar state (``step``) is copied as it is.
 2. The old runtime lets go of the module (``ElixirRuntime.detach_module``): parameters become
    one-element placeholders, hooks and NVMe files go, the optimizers get their original parameters
    back with empty state.
@@ -81,7 +82,8 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
     with torch.no_grad():
         values = {pid: own(pid, full) for pid, full in param_records(runtime, everywhere=True)}
         optimizers = [_take_optimizer(runtime, optimizer, own) for optimizer in runtime.optimizers]
-        companions = {name: (shards[0].device if shards else None, _take_companion(runtime, shards, own))
+        companions = {name: (shards[0].device if shards else None,
+                             {pid: own(pid, full) for pid, full in param_records(runtime, True, shards)})
                       for name, shards in runtime.companions.items()}
     carried = {name: getattr(runtime, name) for name in ("scaler", "steps", "micro_batches", "skipped_steps")}
 
@@ -97,16 +99,11 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
     with torch.no_grad():
         for chunk in new.chunks:
             with new.offload.resident(chunk, write=True):
-                for slot in chunk.slots:
-                    begin, end = chunk.shard_range(slot)
-                    chunk.master[begin:end].copy_(values.pop(id(slot.param)))
+                _fill_own(chunk, chunk.master, values)
                 chunk.refresh_shard()  # inside: an NVMe chunk's master is paged out after the block
-    for name, (device, pieces) in companions.items():
-        with torch.no_grad():
+        for name, (device, pieces) in companions.items():
             for chunk, shard in zip(new.chunks, new.add_companion(name, device)):
-                for slot in chunk.slots:
-                    begin, end = chunk.shard_range(slot)
-                    shard[begin:end].copy_(pieces.pop(id(slot.param)))
+                _fill_own(chunk, shard, pieces)
     for optimizer, _, state in optimizers:
         param_groups = optimizer.state_dict()["param_groups"]
         shard_optimizer(new, optimizer)
@@ -114,15 +111,11 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
     return new
 
 
-def _take_companion(runtime: ElixirRuntime, shards: list[torch.Tensor], own: Any) -> dict[int, torch.Tensor]:
-    """This rank's piece of every parameter of a companion ([Note: companion shards]) under the new layout."""
-    pieces = {}
-    for chunk, shard in zip(runtime.chunks, shards):
-        full = chunk.gather_full(shard)
-        for slot in chunk.slots:
-            pieces[id(slot.param)] = own(id(slot.param), full[slot.offset:slot.end])
-        del full  # one gathered chunk at a time
-    return pieces
+def _fill_own(chunk: Any, shard: torch.Tensor, pieces: dict[int, torch.Tensor]) -> None:
+    """Copy each of ``chunk``'s parameters' pieces (this rank's, under the new layout) into ``shard``."""
+    for slot in chunk.slots:
+        begin, end = chunk.shard_range(slot)
+        shard[begin:end].copy_(pieces.pop(id(slot.param)))
 
 
 def _take_optimizer(runtime: ElixirRuntime, optimizer: Optimizer,

@@ -9,6 +9,7 @@ while the file is written ([Note: streamed full checkpoints] in full_file.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,15 +38,22 @@ def _module_state(runtime) -> dict[str, Any]:
             for key, value in runtime.module.state_dict(keep_vars=True).items()}
 
 
-def param_records(runtime, everywhere: bool) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+def param_records(runtime, everywhere: bool,
+                  shards: Optional[list[torch.Tensor]] = None) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
     """(id(parameter), its full value) for every chunked parameter, gathered one chunk at a time on
-    every rank; values (views of the gathered chunk, valid until the next chunk) on rank 0 or ``everywhere``."""
+    every rank; values (views of the gathered chunk, valid until the next chunk) on rank 0 or ``everywhere``.
+    From the masters, or from ``shards`` of the same layout (a companion: [Note: companion shards])."""
     for chunk in runtime.chunks:
-        with runtime.offload.resident(chunk):
-            full = _gather(chunk, chunk.master, everywhere)
+        with _holding(runtime, chunk, shards):
+            full = _gather(chunk, chunk.master if shards is None else shards[chunk.index], everywhere)
         for slot in chunk.slots:
             yield id(slot.param), None if full is None else full[slot.offset:slot.end].view(slot.shape)
         del full  # before the next chunk's gather: one gathered chunk at a time
+
+
+def _holding(runtime, chunk: Chunk, shards: Optional[list[torch.Tensor]]) -> Any:
+    """Around a read of ``chunk``'s master (paged in from NVMe), or of a companion's shard (always in memory)."""
+    return runtime.offload.resident(chunk) if shards is None else contextlib.nullcontext()
 
 
 def deferred_state_dict(runtime) -> dict[str, Any]:
@@ -209,17 +217,16 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
     optimizer's. Values on rank 0; the other ranks get None for them."""
     wanted = {d.source: d for d in deferred_in(checkpoint)}
     buffers = _GatherBuffers(runtime)
-    if any(source[0] == "param" for source in wanted):
+    laid_out = [(("param",), None)] if any(source[0] == "param" for source in wanted) else []
+    laid_out += [(("companion", name), runtime.companions[name])  # [Note: companion shards]
+                 for name in sorted({source[1] for source in wanted if source[0] == "companion"})]
+    for prefix, shards in laid_out:
         for chunk in runtime.chunks:
-            with runtime.offload.resident(chunk):
-                full = chunk.gather_to_first(chunk.master, buffers.out(chunk, chunk.master.dtype))
-            yield _gathered(full, [(wanted.get(("param", id(slot.param))), slot) for slot in chunk.slots])
+            with _holding(runtime, chunk, shards):
+                shard = chunk.master if shards is None else shards[chunk.index]
+                full = chunk.gather_to_first(shard, buffers.out(chunk, shard.dtype))
+            yield _gathered(full, [(wanted.get((*prefix, id(slot.param))), slot) for slot in chunk.slots])
             del full  # its buffer is the next gather's: the values are consumed before that
-    for name in sorted({source[1] for source in wanted if source[0] == "companion"}):
-        for chunk, shard in zip(runtime.chunks, runtime.companions[name]):
-            full = chunk.gather_to_first(shard, buffers.out(chunk, shard.dtype))
-            yield _gathered(full, [(wanted.get(("companion", name, id(slot.param))), slot) for slot in chunk.slots])
-            del full
     for index, optimizer in enumerate(optimizers):
         if not any(source[:2] == ("optimizer", index) for source in wanted):
             continue
