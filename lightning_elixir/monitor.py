@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
-from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.phases import PHASES
 from lightning_elixir.search.calibrate import Decision, StepMeasurement, reconsider
 from lightning_elixir.search.report import format_bytes, format_ms
@@ -219,9 +219,9 @@ class ElixirMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if self.decision is None and getattr(trainer.strategy, "may_replan", False) and trainer.global_step > 1:
-            cuda = runtime.device.type == "cuda"
-            peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else -1.0
-            reserved = torch.cuda.max_memory_reserved(runtime.device) if cuda else -1.0
+            cuda, memory = runtime.device.type == "cuda", emulated.active()
+            peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else memory.peak if memory else -1.0
+            reserved = torch.cuda.max_memory_reserved(runtime.device) if cuda else memory.peak if memory else -1.0
             self._samples.append([step_s, *(phases[p] for p in PHASES), float(peak), float(reserved)])
             if len(self._samples) == self.calibration_steps:
                 self._reconsider(trainer)
@@ -254,6 +254,23 @@ class ElixirMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
                 _log_text(logger, "elixir/calibration", decision.reason)
+
+    def log_recovery(self, trainer: Any, attempt: Any, running: str) -> None:
+        """A step ran out of memory and was redone under a smaller plan ([Note: recovering from out of memory]):
+        one console line, the numbers on the loggers, and the new plan's file and timelines."""
+        ranks = ", ".join(map(str, attempt.ranks)) or "?"
+        console(trainer, f"Elixir: step {attempt.step} ran out of device memory in {attempt.where} on rank(s) {ranks} "
+                         f"under {attempt.plan} (short by {format_bytes(attempt.overshoot_bytes)}); redoing it under "
+                         f"{running}, searched for {format_bytes(attempt.budget_bytes)}")
+        self._samples, self._step_started, self._recorder = [], None, None  # a recovered step measures nothing
+        self._log_plan(trainer)
+        if trainer.is_global_zero:
+            metrics = {"elixir/recovery/count": float(len(trainer.strategy.recovery.attempts)),
+                       "elixir/recovery/overshoot_mib": attempt.overshoot_bytes / MiB,
+                       "elixir/recovery/budget_mib": attempt.budget_bytes / MiB}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+                _log_text(logger, "elixir/recovery", f"step {attempt.step}: {attempt.message}; now {running}")
 
     def _log_measured(self, trainer: Any) -> None:
         if not trainer.is_global_zero or self.measured is None:
@@ -310,7 +327,7 @@ def _plan_text(plan: ElixirPlan, planning: Optional[PlanningResult]) -> str:
 def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
                   planning: Optional[PlanningResult]) -> dict[str, float]:
     """Per-step memory and the step time by phase, with the prediction next to it."""
-    metrics = {"elixir/memory/runtime_held_mib": _held_between_steps(runtime) / MiB,
+    metrics = {"elixir/memory/runtime_held_mib": runtime.device_bytes_between_steps() / MiB,
                "elixir/memory/host_mib": runtime.offload.host_bytes() / MiB,
                "elixir/memory/nvme_mib": runtime.offload.nvme_bytes() / MiB}
     if runtime.device.type == "cuda":
@@ -363,19 +380,6 @@ def _calibration_metrics(decision: Decision) -> dict[str, float]:
                         "elixir/calibration/host_update_scale": calibration.host_update_scale,
                         "elixir/calibration/calibrated_step_ms": calibration.after.step_s * 1e3})
     return metrics
-
-
-def _held_between_steps(runtime: Any) -> int:
-    """Device bytes the runtime holds after an optimizer step: parameter shards, and the gradient shards,
-    separate masters and optimizer state of device chunks (no gathered chunk: the step released them).
-
-    Counted without waiting for offloaded updates (``memory_stats`` would), so logging changes no overlap."""
-    held = sum(c.shard.nbytes for c in runtime.chunks)
-    for chunk in runtime.chunks:
-        if not chunk.offloaded:
-            held += chunk.grad_shard.nbytes + (0 if chunk.master is chunk.shard else chunk.master.nbytes)
-            held += runtime.optimizer_state_bytes(chunk)
-    return held
 
 
 def _log_timeline(logger: Any, prefix: str, timeline: MemoryTimeline, with_budget: bool) -> None:

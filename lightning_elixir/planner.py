@@ -38,7 +38,7 @@ from lightning_elixir.profile import profile_hardware, profile_model
 from lightning_elixir.profile.fake import StepFn, lightning_step
 from lightning_elixir.profile.preserved import preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
-from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 
@@ -357,10 +357,16 @@ def _warn_fallback(what: str, reason: str) -> None:
 
 def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
              offload: OffloadSettings, local_world_size: int) -> SearchOptions:
-    """Search options for this precision and offload settings, with this machine's host memory."""
-    return search_options(world_size, micro_batches, compute_dtype, autocast_dtype, allow_cpu=offload.allow_cpu,
-                          nvme_available=offload.nvme_path is not None,
-                          host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
+    """Search options for this precision and offload settings, with this machine's host memory.
+
+    Under an emulated device budget ([Note: emulated device memory]) the device has no allocator,
+    kernel workspaces or communicator buffers, which the search's margin is for: it has none."""
+    options = search_options(world_size, micro_batches, compute_dtype, autocast_dtype, allow_cpu=offload.allow_cpu,
+                             nvme_available=offload.nvme_path is not None,
+                             host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
+    if emulated.active() is not None:
+        options = dataclasses.replace(options, margin_fraction=0.0, margin_bytes=0)
+    return options
 
 
 def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,

@@ -26,6 +26,8 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from lightning.pytorch.trainer import call
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -44,9 +46,11 @@ from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
+from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group, agreed_max
+from lightning_elixir.runtime import emulated
 from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
@@ -146,6 +150,12 @@ class ElixirStrategy(ParallelStrategy):
             faster, in place, once per run ([Note: self-correction] in search/calibrate.py; the
             ElixirMonitor's ``calibration_steps`` say when). False: run the first plan throughout.
             A plan given by the user is never changed.
+        oom_recovery: with plan="auto", an out-of-memory error in a training step's forward or backward
+            makes every rank give up the step, switch to a plan searched for the budget lowered by the
+            measured overshoot, and redo the same micro-batch, losing and repeating nothing (at most 3
+            times in a row; [Note: recovering from out of memory] in recovery.py). False: the error
+            propagates unchanged. With several ranks the runtime then issues its collectives on a
+            process group of its own, so that one abandoned step leaves Lightning's group clean.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -169,7 +179,7 @@ class ElixirStrategy(ParallelStrategy):
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
                  state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
-                 replan: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 replan: bool = True, oom_recovery: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
@@ -223,7 +233,7 @@ class ElixirStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
-                            ("replan", replan)):
+                            ("replan", replan), ("oom_recovery", oom_recovery)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
@@ -231,6 +241,11 @@ class ElixirStrategy(ParallelStrategy):
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
         self.replan = replan
+        self.recovery: Optional[OutOfMemoryRecovery] = OutOfMemoryRecovery() if oom_recovery else None
+        """Out-of-memory recovery ([Note: recovering from out of memory]); None with ``oom_recovery=False``."""
+        self._runtime_group: Optional[Group] = None
+        self._step_args: tuple[tuple, dict] = ((), {})
+        self._counted_step: Optional[int] = None
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
         self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
@@ -366,12 +381,33 @@ class ElixirStrategy(ParallelStrategy):
         """Whether the running plan may be replaced after the first steps: plan="auto" with ``replan``."""
         return self.replan and self.plan == "auto" and self.planning is not None and self.planning.report is not None
 
-    def switch_plan(self, plan: ElixirPlan) -> None:
+    def switch_plan(self, plan: ElixirPlan, grads: bool = False, budget_bytes: Optional[int] = None) -> None:
         """Re-chunk the running model under ``plan``, keeping its values and optimizer state (every rank,
-        between optimizer steps; [Note: switching plans] in runtime/replan.py)."""
+        between optimizer steps, or between micro-batches with ``grads``, which carries the gradients
+        accumulated so far; [Note: switching plans] in runtime/replan.py). ``budget_bytes``: the budget
+        ``plan`` was searched for, when it is not the first search's (a recovery lowered it)."""
         assert self.runtime is not None
-        self.runtime = switch_plan(self.runtime, plan, grow_cache=True)
+        self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
         self.precision_plugin.runtime = self.runtime
+        self._runtime_group = self.runtime.group if self._runtime_group is not None else None
+        if budget_bytes is not None and self.planning is not None:
+            self.planning = dataclasses.replace(self.planning, plan=plan, budget_bytes=budget_bytes)
+            trainer = self.lightning_module.trainer
+            monitor = self.monitor(trainer)
+            if monitor.planning is not None:
+                monitor.planning = self.planning
+
+    def planning_for_recovery(self) -> Optional[PlanningResult]:
+        """The searched planning a recovery may search again from: plan="auto" that traced the step."""
+        planning = self.planning
+        if self.plan != "auto" or planning is None or planning.report is None or planning.model_profile is None:
+            return None
+        monitor = self.monitor(self.lightning_module.trainer)
+        return monitor.planning if monitor.planning is not None else planning
+
+    def describe_running(self) -> str:
+        """The running plan in the search report's words."""
+        return describe_runtime(self.runtime) if self.runtime is not None else "no plan"
 
     def _plan_for(self, trainer: Any) -> ElixirPlan:
         if isinstance(self.plan, ElixirPlan):
@@ -424,8 +460,16 @@ class ElixirStrategy(ParallelStrategy):
             shard_optimizer(self.runtime, optimizer)
 
     def _group(self) -> Group:
-        """The data-parallel group, with this strategy's bound on collective waits."""
-        return Group.default(timeout_s=self._group_timeout_s)
+        """The data-parallel group, with this strategy's bound on collective waits: with out-of-memory
+        recovery on several ranks, a process group of the runtime's own, made on first use (in setup,
+        on every rank) and watched for other ranks' failures ([Note: recovering from out of memory])."""
+        if self._runtime_group is not None:
+            return self._runtime_group
+        group = Group.default(timeout_s=self._group_timeout_s)
+        if self.recovery is None or group.world_size == 1:
+            return group
+        self._runtime_group = self.recovery.prepare(new_group(group))
+        return self._runtime_group
 
     @override
     def model_to_device(self) -> None:
@@ -444,8 +488,84 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step(evaluating=False):
-            return super().training_step(*args, **kwargs)
+        if self.recovery is None:
+            with self._step(evaluating=False), self._counting():
+                return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        self._step_args = (args, kwargs)
+        while True:
+            assert self.runtime is not None
+            self.recovery.begin(self.runtime, trainer._results)
+            steps = self.runtime.steps + self.runtime.skipped_steps
+            try:
+                with self._step(evaluating=False), self._counting():
+                    return super().training_step(*args, **kwargs)
+            except Exception as err:
+                if not recoverable_error(err):
+                    raise
+                stepped = self.runtime.steps + self.runtime.skipped_steps != steps
+                self._recover(err, "training_step", "an optimizer already stepped in this training_step (manual "
+                                                    "optimization), and its update cannot be undone" if stepped else None)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self.recovery is None or not self.lightning_module.automatic_optimization:
+            with self._counting():  # under manual optimization the training_step recovers
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        trainer = self.lightning_module.trainer
+        while True:
+            try:
+                with self._counting():
+                    return super().backward(closure_loss, optimizer, *args, **kwargs)
+            except Exception as err:
+                if not recoverable_error(err):
+                    raise
+                with contextlib.suppress(RuntimeError):
+                    closure_loss.detach_()  # the failed backward's graph (and its activations) goes
+                del closure_loss
+                self._recover(err, "backward", None)
+                # Redo the micro-batch's forward (it recovers on its own) and continue with its loss, as the closure does.
+                args_, kwargs_ = self._step_args
+                output = call._call_strategy_hook(trainer, "training_step", *args_, **kwargs_)
+                closure_loss = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches).closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.recovery is None or not self.lightning_module.automatic_optimization:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        while True:  # what the closure's training_step and backward did not recover: redo the whole closure
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            except Exception as err:
+                if not recoverable_error(err):
+                    raise
+                self._recover(err, "optimizer step", "the optimizer's update had begun and may be partly applied"
+                              if self.runtime is not None and self.runtime.updating else None)
+
+    def _recover(self, err: BaseException, where: str, why_not: Optional[str]) -> None:
+        """Every rank: give up the step, shrink the plan, put the micro-batch's state back ([Note: recovering
+        from out of memory]); log it as a self-correction is logged."""
+        assert self.recovery is not None
+        trainer = self.lightning_module.trainer
+        self._counted_step = None
+        if self.runtime is not None:
+            self.runtime.updating = False
+        self.recovery.recover(err, self, trainer.global_step + 1, where, redoable=why_not)
+        self.monitor(trainer).log_recovery(trainer, self.recovery.attempts[-1], describe_runtime(self.runtime))
+
+    @contextmanager
+    def _counting(self) -> Generator[None, None, None]:
+        """Inside an emulated device budget ([Note: emulated device memory]), count the step's memory."""
+        memory = emulated.active()
+        if memory is None or self.runtime is None:
+            yield
+            return
+        step = self.runtime.steps + self.runtime.skipped_steps + 1
+        if step != self._counted_step:
+            self._counted_step = step
+            memory.begin_step(step, self.global_rank, self.runtime.device_bytes_between_steps())
+        with memory.counting():
+            yield
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -82,6 +82,8 @@ DEFAULT_TIMEOUT_S = 600.0
 """How long one collective may take before the ranks are taken to have diverged ([Note: bounded waits])."""
 _WAIT_SLICE_S = 1.0
 """Longest host wait between chances for Python signal handlers to run."""
+_WATCHED_SLICE_S = 0.05
+"""Longest host wait between looks at the group's watch (another rank out of memory)."""
 _MAX_TAG = 2 ** 30
 """Point-to-point tags run over 1.._MAX_TAG (tag 0 is ``gather_to_first``'s)."""
 _SIGNATURE_MOD = 16_777_213
@@ -91,6 +93,12 @@ _SIGNATURE_MUL = 1_000_003
 
 class RankDivergenceError(RuntimeError):
     """A collective did not complete: the ranks did not issue the same collectives."""
+
+
+class StepAbandoned(Exception):
+    """Another rank gave up the step (it ran out of memory): this rank's waits stop, and the step is
+    redone by every rank ([Note: recovering from out of memory] in recovery.py). Not a RuntimeError,
+    so that no handler of backend errors takes it for one."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,12 @@ class Group:
     signature: list[int] = field(default_factory=lambda: [0, 0], compare=False, repr=False)
     """Fingerprints of the chunks gathered and reduced since the last ``agreed_max`` ([Note: silent
     divergence]); shared by copies of the group, like ``issued``."""
+    watch: list[Optional[Callable[[], None]]] = field(default_factory=lambda: [None], compare=False, repr=False)
+    """A check run between the slices of a host wait; it raises ``StepAbandoned`` when another rank gave
+    up the step (None: nothing to check). One cell, shared by copies of the group."""
+    abandoned: list[bool] = field(default_factory=lambda: [False], compare=False, repr=False)
+    """Set once the step's collectives on this group are given up: waits return at once (what they
+    would have delivered is thrown away) and the runtime moves to a new group."""
 
     def next_tag(self) -> int:
         """Count one more collective; the tag its point-to-point messages carry."""
@@ -166,6 +180,8 @@ class Pending:
         """Run once, after the first successful wait (the slice copy of a reduce-scatter done as an all-reduce)."""
 
     def wait(self) -> None:
+        if self.group.abandoned[0]:
+            return  # given up with its step: its result is thrown away
         start = time.monotonic()
         try:
             if self.on_host and self.group.timeout_s is not None:
@@ -181,10 +197,12 @@ class Pending:
             then()
 
     def _wait_bounded(self, deadline: float) -> None:
-        """Wait in slices until done or ``deadline``; signal handlers run between slices."""
+        """Wait in slices until done or ``deadline``; signal handlers (and the group's watch) run between slices."""
+        watch = self.group.watch[0]
+        longest = _WATCHED_SLICE_S if watch is not None else _WAIT_SLICE_S
         while True:
             # A timedelta under 1 ms reaches torch as 0 ms, which means "no timeout".
-            slice_s = max(min(_WAIT_SLICE_S, deadline - time.monotonic()), 0.01)
+            slice_s = max(min(longest, deadline - time.monotonic()), 0.01)
             try:
                 self.work.wait(timeout=timedelta(seconds=slice_s))
                 return
@@ -194,6 +212,8 @@ class Pending:
                     return
                 if time.monotonic() >= deadline:
                     raise RankDivergenceError(_message(self, self.group.timeout_s, None)) from None
+                if watch is not None:
+                    watch()
 
 
 def _message(pending: Pending, waited_s: float, err: Optional[BaseException]) -> str:

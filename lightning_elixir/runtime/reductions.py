@@ -49,6 +49,8 @@ class Reductions:
         """The next chunk in ``order`` to reduce in this backward."""
         self._next_retire = 0
         """The next chunk in ``order`` to retire; those from it up to ``_next_start`` are in flight."""
+        self.retired = 0
+        """Reductions retired so far (their sums are in the shards): a count that only grows."""
 
     def reorder(self) -> None:
         """The fixed order over the chunks that have trainable parameters now."""
@@ -98,6 +100,15 @@ class Reductions:
                 view.grad = grad
         chunk.reset_grad_tracking()
         self._next_retire += 1
+        self.retired += 1
+
+    def hold(self, chunk: Chunk) -> None:
+        """``chunk``'s gradient shard was filled outside a backward (gradients carried into a new plan):
+        the optimizer's views see it, and the next backward adds to it."""
+        self.valid[chunk.index] = True
+        for view, grad in self._targets(chunk):
+            if view.requires_grad:
+                view.grad = grad
 
     def _accumulates(self, chunk: Chunk) -> bool:
         """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""

@@ -54,11 +54,13 @@ def new_ranges(specs: Sequence[ChunkSpec], numels: Mapping[str, int], rank: int,
     return out
 
 
-def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> ElixirRuntime:
+def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, grads: bool = False, **settings: Any) -> ElixirRuntime:
     """Re-chunk ``runtime``'s module under ``plan`` between optimizer steps ([Note: switching plans]).
 
     Call it on every rank, outside a step. ``settings`` are the ElixirRuntime arguments of the new
-    runtime (device, policy, group, private parameters, ... default: the old runtime's).
+    runtime (device, policy, group, private parameters, ... default: the old runtime's). ``grads``:
+    carry the gradients accumulated so far (a switch between the micro-batches of one optimizer step),
+    as a companion is carried; without it the new runtime starts with none, as after ``zero_grad``.
 
     Returns:
         The new runtime, holding the module and the old runtime's optimizers; the old one is empty.
@@ -85,6 +87,7 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
         companions = {name: (shards[0].device if shards else None,
                              {pid: own(pid, full) for pid, full in param_records(runtime, True, shards)})
                       for name, shards in runtime.companions.items()}
+        accumulated = _take_grads(runtime, own) if grads else None
     carried = {name: getattr(runtime, name) for name in ("scaler", "steps", "micro_batches", "skipped_steps")}
 
     runtime.detach_module()
@@ -108,7 +111,37 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, **settings: Any) -> El
         param_groups = optimizer.state_dict()["param_groups"]
         shard_optimizer(new, optimizer)
         load_own_optimizer_state(new, optimizer, state, param_groups)
+    if accumulated is not None:
+        _put_grads(new, *accumulated)
     return new
+
+
+def _take_grads(runtime: ElixirRuntime, own: Any) -> tuple[dict[int, torch.Tensor], set[int]]:
+    """This rank's pieces, under the new layout, of the gradients accumulated so far (parameters whose
+    chunk holds none are left out), and the parameters that got one ([Note: unused parameters])."""
+    reductions = runtime.grads.reductions
+    shards = [c.grad_shard if reductions.valid[c.index] else torch.zeros_like(c.grad_shard) for c in runtime.chunks]
+    held = {id(s.param) for c in runtime.chunks if reductions.valid[c.index] for s in c.slots}
+    pieces = {pid: own(pid, full) for pid, full in param_records(runtime, True, shards) if pid in held}
+    return pieces, set(reductions.seen)
+
+
+def _put_grads(runtime: ElixirRuntime, pieces: dict[int, torch.Tensor], seen: set[int]) -> None:
+    """Fill the new chunks' gradient shards with what ``_take_grads`` kept: a chunk holding any of it
+    takes the next backward's gradients by adding, as the old one would have."""
+    reductions = runtime.grads.reductions
+    with torch.no_grad():
+        for chunk in runtime.chunks:
+            if not any(id(s.param) in pieces for s in chunk.slots):
+                continue
+            chunk.grad_shard.zero_()
+            for slot in chunk.slots:
+                piece = pieces.get(id(slot.param))
+                if piece is not None:
+                    begin, end = chunk.shard_range(slot)
+                    chunk.grad_shard[begin:end].copy_(piece)
+            reductions.hold(chunk)
+    reductions.seen.update(seen)
 
 
 def _fill_own(chunk: Any, shard: torch.Tensor, pieces: dict[int, torch.Tensor]) -> None:

@@ -125,6 +125,8 @@ class ElixirRuntime:
         self.scaler: Any = None
         self.steps = 0
         self.skipped_steps = 0
+        self.updating = False
+        """Inside the optimizer's update (``stepping``, after the agreement on unused gradients)."""
         self.companions: dict[str, list[torch.Tensor]] = {}
         """Sharded tensors of the masters' layout that others keep, by name ([Note: companion shards])."""
 
@@ -287,11 +289,13 @@ class ElixirRuntime:
         with self.clock.timing("optimizer"):
             self.before_step()
             self.grads.settle_unused(optimizer, self.group, self.device)
+            self.updating = True  # from here on the update may be partly applied
             hidden = self.offload.launch(optimizer)
             try:
                 yield
             finally:
                 self.offload.restore(hidden)
+                self.updating = False
             self.after_step(stepped=True)
 
     def after_step(self, stepped: bool = True) -> None:
@@ -309,6 +313,14 @@ class ElixirRuntime:
             if not chunk.offloaded:  # offloaded shards are refreshed by their update on the worker
                 chunk.refresh_shard()
         self.protocol.after_step()
+
+    def regroup(self, group: Group) -> None:
+        """Issue every later collective on ``group`` (the same ranks, a fresh process group): after a step
+        was given up, the old group may hold collectives some ranks issued and others never will."""
+        assert (group.rank, group.world_size) == (self.group.rank, self.group.world_size)
+        self.group = self.protocol.group = group
+        for chunk in self.chunks:
+            chunk.group = group
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
@@ -377,6 +389,19 @@ class ElixirRuntime:
             "gathers": self.cache.gathers,
             "private_gathers": self.private_gathers,
         }
+
+    def device_bytes_between_steps(self) -> int:
+        """Device bytes the runtime holds after an optimizer step: parameter shards, the gradient shards,
+        separate masters and optimizer state of device chunks, and the blocks that stay gathered.
+
+        Counted without waiting for offloaded updates (``memory_stats`` would), so asking changes no overlap."""
+        held = sum(c.shard.nbytes for c in self.chunks)
+        for chunk in self.chunks:
+            if not chunk.offloaded:
+                held += chunk.grad_shard.nbytes + (0 if chunk.master is chunk.shard else chunk.master.nbytes)
+                held += self.optimizer_state_bytes(chunk)
+        gathered = list(self.cache.gathered.values()) + [c for c in self.private if c.state is not ChunkState.FREE]
+        return held + sum(c.block_bytes for c in gathered if c.full is not c.shard)
 
     def optimizer_state_bytes(self, chunk: Chunk) -> int:
         """Per-element optimizer state bytes held for a device chunk's views."""

@@ -1,0 +1,180 @@
+"""Recovery from out of memory through the Trainer, on two gloo ranks, under an emulated device budget.
+
+Each recovered fit runs plan="auto" inside ``emulated_device_memory`` ([Note: emulated device
+memory]) with a limit the first plan does not fit at some step; it must end with the losses and
+weights of an uninterrupted fit of the plan it ended on (the "reference": that plan given from the
+start, no budget), with the learning-rate schedule and the logged metric intact and no batch
+skipped or repeated ([Note: recovering from out of memory]). The model has dropout, so a redo that
+drew other random numbers would differ, and it logs a mean over the epoch, which a redo that logged
+twice would change.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir.demos.gpt import GPT, GPTConfig
+from lightning_elixir.recovery import ElixirOutOfMemoryError
+from lightning_elixir.runtime.emulated import active, emulated_device_memory
+from tests.test_resume import fit_on_ranks
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, bias=False)
+BATCH = 2
+TIMEOUT = timedelta(seconds=60)
+BUDGET = 4 << 20
+"""The search's budget: everything fits it, so the first plan is the fastest (all on the device)."""
+
+
+class DropoutGPT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(CONFIG)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.randint(CONFIG.vocab_size, (64, CONFIG.block_size + 1), generator=g)
+        return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), batch[:, 1:].reshape(-1))
+        self.log("mean_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Record(Callback):
+    """Per rank: the loss of every micro-batch, the learning rate, the batches seen; at the end the
+    weights, the plan it ended on, the logged mean and the recoveries."""
+
+    def __init__(self, run: Path) -> None:
+        self.run, self.rows = run, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        memory = active()
+        self.rows.append([trainer.global_step, batch_idx, outputs["loss"].item(), lr, int(batch.sum()),
+                          memory.peak if memory else None])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy, rank = trainer.strategy, trainer.global_rank
+        with strategy.gathered_params():
+            weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        recovery = strategy.recovery
+        out = {"rows": self.rows, "plan": strategy.runtime.plan.to_dict(),
+               "mean_loss": float(trainer.callback_metrics["mean_loss"]),
+               "attempts": [] if recovery is None else [[a.step, a.where, list(a.ranks)] for a in recovery.attempts],
+               "adam_steps": sorted({int(s["step"]) for s in trainer.optimizers[0].state.values() if "step" in s})}
+        (self.run / f"rank{rank}.json").write_text(json.dumps(out))
+        if rank == 0:
+            torch.save(weights, self.run / "weights.pt")
+
+
+def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
+        recovery: bool = True) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
+                              oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        accumulate_grad_batches=accumulate, default_root_dir=run,
+                        callbacks=[Record(run)])
+    try:
+        if limit is None:
+            trainer.fit(DropoutGPT())
+        else:
+            with emulated_device_memory(limit, ranks=ranks):
+                trainer.fit(DropoutGPT())
+    except Exception as err:  # the test reads what was raised
+        (run / f"error{trainer.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
+        (run / f"traceback{trainer.global_rank}.txt").write_text(traceback.format_exc())
+
+
+def result(run: Path, rank: int = 0) -> dict:
+    return json.loads((run / f"rank{rank}.json").read_text())
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    for rank in (0, 1):
+        got, want = result(run, rank), result(reference, rank)
+        assert [r[1] for r in got["rows"]] == [r[1] for r in want["rows"]]  # no batch skipped or repeated
+        assert [r[4] for r in got["rows"]] == [r[4] for r in want["rows"]]
+        assert [r[3] for r in got["rows"]] == pytest.approx([r[3] for r in want["rows"]], rel=1e-12)  # the schedule
+        assert [r[2] for r in got["rows"]] == pytest.approx([r[2] for r in want["rows"]], rel=1e-5, abs=1e-6)
+        assert got["mean_loss"] == pytest.approx(want["mean_loss"], rel=1e-5)
+        assert got["adam_steps"] == want["adam_steps"]
+    weights, expected = torch.load(run / "weights.pt"), torch.load(reference / "weights.pt")
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+ROOMY = 10 << 20
+TIGHT = 450_000
+"""Between the most frugal plans' peak and the first plan's (measured under the emulated budget: about 380
+and 480-530 KB), so the first plan runs out and a smaller one fits."""
+STEPS = 6
+RECOVERED = {  # name: (limit, ranks, accumulate)
+    "step1": ({1: TIGHT}, None, 1),
+    "step5": ({1: ROOMY, 5: TIGHT}, None, 1),
+    "one_rank": ({1: TIGHT}, (1,), 1),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The recovered fits, the failing ones, then uninterrupted fits of the plans the recovered ones ended on."""
+    root = tmp_path_factory.mktemp("oom")
+    fits = [(root / name, "auto", limit, ranks, STEPS, accumulate) for name, (limit, ranks, accumulate) in RECOVERED.items()]
+    fits += [(root / "repeated", "auto", {1: 150_000}, None, 2),
+             (root / "off", "auto", {1: TIGHT}, None, 2, 1, False)]
+    fit_on_ranks(2, fits, fit_fn=fit)
+    references = []
+    for name, (_, _, accumulate) in RECOVERED.items():
+        plan = result(root / name)["plan"]
+        references.append((root / f"{name}_reference", plan, None, None, STEPS, accumulate))
+    fit_on_ranks(2, references, fit_fn=fit)
+    return root
+
+
+@pytest.mark.parametrize("name", list(RECOVERED))
+def test_a_step_that_runs_out_of_memory_is_redone_under_a_smaller_plan(runs, name):
+    """At step 1 (in backward), at step 5 and on one rank only (the other learns of it in its next
+    wait): each recovers, on both ranks, and trains exactly as the plan it ends on does from the start."""
+    for rank in (0, 1):
+        assert not (runs / name / f"error{rank}.txt").exists(), (runs / name / f"error{rank}.txt").read_text()
+    attempts = result(runs / name)["attempts"]
+    assert attempts and attempts == result(runs / name, 1)["attempts"]
+    first_step = {"step1": 1, "step5": 5, "one_rank": 1}[name]
+    assert attempts[0][0] == first_step
+    if name == "one_rank":
+        assert all(ranks == [1] for _, _, ranks in attempts)
+    assert_same_training(runs / name, runs / f"{name}_reference")
+
+
+def test_a_step_that_keeps_running_out_of_memory_ends_with_a_clear_error(runs):
+    for rank in (0, 1):
+        text = (runs / "repeated" / f"error{rank}.txt").read_text()
+        assert text.startswith("ElixirOutOfMemoryError") or text.startswith("NoPlanFitsError"), text
+        assert "ran out of device memory" in text or "no plan fits" in text.lower(), text
+        assert "To fit:" in text or "What would help" in text, text
+
+
+def test_without_recovery_the_out_of_memory_error_propagates_unchanged(runs):
+    text = (runs / "off" / "error0.txt").read_text()
+    assert text.startswith("EmulatedOutOfMemoryError: out of memory (emulated device budget)"), text
