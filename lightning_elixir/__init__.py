@@ -9,10 +9,11 @@ from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.precision import ElixirPrecision
 from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.runtime.optim import elementwise_optimizer
+from lightning_elixir.search.calibrate import SelfCorrection
 from lightning_elixir.strategy import ElixirStrategy
 
 __all__ = ["ChunkSpec", "ElixirMonitor", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError",
-           "PlanError", "elementwise_optimizer"]
+           "PlanError", "SelfCorrection", "elementwise_optimizer"]
 __version__ = "0.1.0"
 
 

@@ -2,8 +2,8 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` ship the same code under two names, and each
 Trainer accepts only strategies built on its own base classes. Instead of a hand-kept second
-copy, the Lightning-facing modules (launcher, precision, checkpointing, monitor, averaging, strategy)
-are executed a second time from their own source with the package names swapped, as Lightning
+copy, the Lightning-facing modules (launcher, precision, checkpointing, monitor, averaging, autoplan,
+strategy) are executed a second time from their own source with the package names swapped, as Lightning
 itself derives one package from the other. The result lives under ``lightning_elixir.mirror.<module>``.
 """
 
@@ -14,7 +14,8 @@ import sys
 import types
 
 MIRRORED = ("lightning_elixir.launcher", "lightning_elixir.precision", "lightning_elixir.checkpointing",
-            "lightning_elixir.monitor", "lightning_elixir.averaging", "lightning_elixir.strategy")
+            "lightning_elixir.monitor", "lightning_elixir.averaging", "lightning_elixir.autoplan",
+            "lightning_elixir.strategy")
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 
 

@@ -1,13 +1,12 @@
-"""The planning callback: plans before the run, then shows the plan and the memory on the trainer's logger.
+"""The monitoring callback: shows the plan, the memory and the step times on the trainer's logger.
 
 [Note: the planning callback]
-``ElixirMonitor`` owns plan="auto": the strategy asks it for the plan in ``Strategy.setup``, the
-first point at which the process group is up, the model is complete (``configure_model`` runs
-after the callbacks' ``setup`` hooks, so planning cannot happen there) and not yet chunked. It
-plans from one batch of the stage's own data without disturbing training (planner.py, [Note:
-planning per stage]) and reports progress in a few rank-zero lines. The strategy adds a monitor
-when the user has none, so ``Trainer(strategy="elixir")`` needs nothing else; a user's own
-instance, with its options, is used as it is.
+``ElixirMonitor`` measures and logs; it decides nothing. Planning, the self-correction and
+out-of-memory recovery belong to the strategy's ``AutoPlanner`` ([Note: one owner of the plan] in
+autoplan.py): the monitor times each optimizer step and hands it to the planner, then logs what
+the planner concluded. The strategy adds a monitor when the user has none, so
+``Trainer(strategy="elixir")`` needs nothing else; a user's own instance, with its options, is used
+as it is.
 
 What it logs (to every logger the trainer has; TensorBoard is Lightning's default; text and
 figures only where the logger can take them):
@@ -24,20 +23,19 @@ figures only where the logger can take them):
   bytes of offloaded state, and the step time broken
   down into compute and the host's waits for gathers, reduce-scatters, offloaded updates and the
   optimizer (runtime/phases.py), next to the search's prediction (``elixir/predicted_time/...``);
-- after ``calibration_steps`` training steps (the first, which learns the access order, not
-  counted): the measured against the predicted step (``elixir/calibration/...``), and what the
+- after the self-correction's calibration steps (the first step, which learns the access order,
+  not counted): the measured against the predicted step (``elixir/calibration/...``), and what the
   self-correction concluded ([Note: self-correction] in search/calibrate.py): the plan kept, or
-  switched to another in place (``ElixirStrategy(replan=False)`` turns this off; a plan given by
-  the user is never changed). After a switch the plan file, the timelines and the predictions
-  logged from then on are the new plan's.
+  switched to another in place. After a switch the plan file, the timelines and the predictions
+  logged from then on are the new plan's;
+- after a step that ran out of memory and was redone under a smaller plan: a console line and
+  ``elixir/recovery/...`` ([Note: recovering from out of memory] in recovery.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import statistics
 import time
 from typing import Any, Optional
 
@@ -46,11 +44,11 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elixir.plan import ElixirPlan
-from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
-from lightning_elixir.runtime import collectives, emulated
+from lightning_elixir.planner import PlanningResult
+from lightning_elixir.runtime import emulated
 from lightning_elixir.runtime.phases import PHASES
-from lightning_elixir.search.calibrate import Decision, StepMeasurement, reconsider
-from lightning_elixir.search.report import format_bytes, format_ms
+from lightning_elixir.search.calibrate import Decision
+from lightning_elixir.search.report import format_bytes
 from lightning_elixir.search.timeline import predict_timeline
 from lightning_elixir.timeline import KINDS, MemoryTimeline
 
@@ -73,64 +71,26 @@ class ElixirMonitor(Callback):
         save_plan: Write the plan as ``elixir_plan.json`` and the search report as ``elixir_report.txt``
             into the first logger's directory.
         figure: Log a figure of the predicted and measured timelines (needs matplotlib).
-        calibration_steps: Training steps, after the first, whose median is compared with the
-            prediction; the self-correction decides after them (with ``ElixirStrategy(replan=True)``,
-            the default, and plan="auto"). More steps: a steadier measurement, a later switch.
-        replan_threshold: How far (a fraction) the measured step may be from the prediction before the
-            cost model is calibrated and the search runs again.
-        replan_margin: How much faster (a fraction) the calibrated search's plan must be predicted
-            than the running one for a switch.
 
     See [Note: the planning callback] for what it logs.
     """
 
     def __init__(self, timeline_step: int = 3, log_every_n_steps: Optional[int] = None, save_plan: bool = True,
-                 figure: bool = True, calibration_steps: int = 4, replan_threshold: float = 0.15,
-                 replan_margin: float = 0.1) -> None:
+                 figure: bool = True) -> None:
         if not isinstance(timeline_step, int) or timeline_step < 1:
             raise ValueError(f"timeline_step must be a positive int (an optimizer step), got {timeline_step!r}")
-        if not isinstance(calibration_steps, int) or calibration_steps < 1:
-            raise ValueError(f"calibration_steps must be a positive int, got {calibration_steps!r}")
-        for name, value in (("replan_threshold", replan_threshold), ("replan_margin", replan_margin)):
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
             raise ValueError(f"log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
         self.timeline_step = timeline_step
         self.log_every_n_steps = log_every_n_steps
         self.save_plan = save_plan
         self.figure = figure
-        self.calibration_steps = calibration_steps
-        self.replan_threshold, self.replan_margin = float(replan_threshold), float(replan_margin)
-        self.decision: Optional[Decision] = None
-        """What the self-correction concluded (None until it ran)."""
-        self._samples: list[list[float]] = []
-        self.planning: Optional[PlanningResult] = None
         self.predicted: Optional[MemoryTimeline] = None
         self.measured: Optional[MemoryTimeline] = None
         self._recorder: Any = None
         self._dir: Optional[str] = None
         self._step_started: Optional[float] = None
         self._last_global_step = 0
-
-    # ---- planning ------------------------------------------------------------------------------
-
-    def plan(self, trainer: Any, strategy: Any) -> PlanningResult:
-        """Profile, search and agree on the plan for the stage ``trainer`` runs (every rank calls this)."""
-        precision = strategy.precision_plugin
-        given = strategy.hardware_profile is not None
-        rank_zero_info("Elixir: planning — " + ("reading the given hardware profile" if given else
-                       "measuring this machine (collectives, optimizer speed; cached after the first run)")
-                       + ", then tracing one step on fake tensors and searching")
-        planning = plan_for_trainer(
-            strategy.model, trainer, device=strategy.root_device, group=strategy._group(),
-            compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
-            memory_limit=strategy.device_memory_limit, local_world_size=strategy.num_processes,
-            hardware=strategy.hardware_profile, private_params=strategy.private_params,
-            offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit))
-        self.planning = planning
-        rank_zero_info(_progress_lines(planning))
-        return planning
 
     # ---- the stage starts: the plan and the predicted timeline ----------------------------------
 
@@ -185,7 +145,7 @@ class ElixirMonitor(Callback):
                     f.write(report.summary() + "\n")
 
     def _current_planning(self, trainer: Any) -> Optional[PlanningResult]:
-        return self.planning if self.planning is not None else getattr(trainer.strategy, "planning", None)
+        return getattr(trainer.strategy, "planning", None)
 
     # ---- training steps: memory and time ---------------------------------------------------------
 
@@ -218,36 +178,23 @@ class ElixirMonitor(Callback):
             metrics = _step_metrics(runtime, step_s, phases, self._current_planning(trainer))
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-        if self.decision is None and getattr(trainer.strategy, "may_replan", False) and trainer.global_step > 1:
+        planner = getattr(trainer.strategy, "planner", None)
+        if planner is not None and planner.may_replan and trainer.global_step > 1:
             cuda, memory = runtime.device.type == "cuda", emulated.active()
             peak = torch.cuda.max_memory_allocated(runtime.device) if cuda else memory.peak if memory else -1.0
             reserved = torch.cuda.max_memory_reserved(runtime.device) if cuda else memory.peak if memory else -1.0
-            self._samples.append([step_s, *(phases[p] for p in PHASES), float(peak), float(reserved)])
-            if len(self._samples) == self.calibration_steps:
-                self._reconsider(trainer)
+            decision = planner.observe(trainer.strategy, [step_s, *(phases[p] for p in PHASES), float(peak),
+                                                          float(reserved)])
+            if decision is not None:
+                self._log_decision(trainer, decision, planner.correction.calibration_steps)
 
     # ---- self-correction ---------------------------------------------------------------------------
 
-    def _reconsider(self, trainer: Any) -> None:
-        """Compare the measured steps with the prediction; calibrate, search again and maybe switch (every rank)."""
-        strategy, planning = trainer.strategy, self._current_planning(trainer)
-        measured = _slowest_rank(self._samples, strategy.runtime)
-        self._samples = []
-        decision = reconsider(strategy.runtime.plan, planning.model_profile, planning.hardware_profile,
-                              planning.budget_bytes, planning.options, measured, self.replan_threshold,
-                              self.replan_margin)
-        plan = strategy.broadcast(decision.plan)  # rank 0's conclusion, on every rank
-        decision = dataclasses.replace(decision, plan=plan)
-        self.decision = decision
-        console(trainer, f"Elixir: after {self.calibration_steps} steps, {decision.reason}")
-        if plan is not None:
-            calibration = decision.calibration
-            assert calibration is not None and decision.report is not None
-            strategy.switch_plan(plan)
+    def _log_decision(self, trainer: Any, decision: Decision, steps: int) -> None:
+        """What the self-correction concluded after ``steps`` measured steps; a switched plan is logged anew."""
+        console(trainer, f"Elixir: after {steps} steps, {decision.reason}")
+        if decision.plan is not None:
             self._recorder = None
-            self.planning = strategy.planning = dataclasses.replace(
-                planning, plan=plan, report=decision.report, model_profile=calibration.model,
-                hardware_profile=calibration.hardware)
             self._log_plan(trainer)
         if trainer.is_global_zero:
             metrics = _calibration_metrics(decision)
@@ -262,7 +209,7 @@ class ElixirMonitor(Callback):
         console(trainer, f"Elixir: step {attempt.step} ran out of device memory in {attempt.where} on rank(s) {ranks} "
                          f"under {attempt.plan} (short by {format_bytes(attempt.overshoot_bytes)}); redoing it under "
                          f"{running}, searched for {format_bytes(attempt.budget_bytes)}")
-        self._samples, self._step_started, self._recorder = [], None, None  # a recovered step measures nothing
+        self._step_started, self._recorder = None, None  # a recovered step measures nothing
         self._log_plan(trainer)
         if trainer.is_global_zero:
             metrics = {"elixir/recovery/count": float(len(trainer.strategy.recovery.attempts)),
@@ -296,24 +243,6 @@ def console(trainer: Any, text: str) -> None:
         rank_zero_info(text)
 
 
-def _progress_lines(planning: PlanningResult) -> str:
-    """A few readable lines: what was measured and how long it took, the plan, its prediction."""
-    took = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in planning.seconds.items())
-    hw = planning.hardware_profile
-    lines = [f"Elixir: planned in {sum(planning.seconds.values()):.1f} s ({took}); machine: {hw.device_name}, "
-             f"{hw.world_size} rank(s)"]
-    report = planning.report
-    if report is None:
-        lines.append(f"Elixir: the step could not be traced ({planning.fallback_reason}); running the fallback plan")
-        return "\n".join(lines)
-    w = report.winner
-    lines.append(f"Elixir: chose {w.describe()}")
-    lines.append(f"Elixir: predicted step {format_ms(w.step_s)} (lower bound {format_ms(report.lower_bound_s)}, "
-                 f"{report.lower_bound_reason}); peak {format_bytes(w.peak_bytes)} of "
-                 f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}")
-    return "\n".join(lines)
-
-
 def _plan_text(plan: ElixirPlan, planning: Optional[PlanningResult]) -> str:
     """The plan and, when it was searched, the report, as a markdown code block."""
     body = [plan.to_json()]
@@ -345,20 +274,6 @@ def _step_metrics(runtime: Any, step_s: float, phases: dict[str, float],
                         "elixir/predicted_time/optimizer_ms": c.device_optimizer_s * 1e3,
                         "elixir/predicted_time/exposed_offload_ms": c.exposed_host_s * 1e3})
     return metrics
-
-
-def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
-    """The median of each measured column over the steps, the largest over ranks."""
-    steps = [sample[0] for sample in samples]
-    spread = (max(steps) - min(steps)) / statistics.median(steps) if statistics.median(steps) > 0 else 0.0
-    medians = torch.tensor([statistics.median(column) for column in zip(*samples)] + [spread], dtype=torch.float64,
-                           device=runtime.device)
-    step_s, *waits, peak, reserved, spread = collectives.all_reduce_max(medians, runtime.group).tolist()
-    phases = dict(zip(PHASES, waits))
-    return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
-                           offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
-                           spread=spread, peak_bytes=int(peak) if peak >= 0 else None,
-                           reserved_bytes=int(reserved) if reserved >= 0 else None)
 
 
 def _calibration_metrics(decision: Decision) -> dict[str, float]:

@@ -257,13 +257,13 @@ class OutOfMemoryRecovery:
         predicted = evaluate_plan(runtime.plan, planning.model_profile, planning.hardware_profile,
                                   planning.options).memory.peak_bytes
         budget = min(planning.budget_bytes, predicted)
-        budget = int(budget - worst - MARGIN * budget)
+        budget = int(budget - worst - MARGIN * budget)  # below the most frugal plan's need: that plan, if lower
         self.attempts.append(Attempt(step, where, tuple(f["rank"] for f in ran_out), worst, budget,
                                      strategy.describe_running(), "; ".join(f["message"] for f in ran_out)))
         if self._failed_in_step > self.max_attempts:
             raise ElixirOutOfMemoryError(self._explain(ran_out, f"it ran out {self._failed_in_step} times in a row",
                                                        strategy)) from err
-        plan = self._shared_plan(planning, budget, group, err)
+        plan = self._shared_plan(planning, budget, predicted, group, err)
         group.abandoned[0] = True
         fresh, self._spare = self._spare, None
         assert fresh is not None or group.world_size == 1
@@ -295,14 +295,22 @@ class OutOfMemoryRecovery:
             time.sleep(0.01)
         return [json.loads(store.get(k)) for k in keys]
 
-    def _shared_plan(self, planning: Any, budget: int, group: Group, err: BaseException) -> ElixirPlan:
-        """Rank 0's search for ``budget``, on every rank (through the store: the old group is in an unknown state)."""
+    def _shared_plan(self, planning: Any, budget: int, running_peak: int, group: Group,
+                     err: BaseException) -> ElixirPlan:
+        """Rank 0's search for ``budget`` (or, below the most frugal plan, that plan while it is predicted
+        below the running plan's ``running_peak``), on every rank (through the store: the old group is in an
+        unknown state)."""
         if group.rank == 0:
+            model, hardware, options = planning.model_profile, planning.hardware_profile, planning.options
             try:
-                plan, _ = search(planning.model_profile, planning.hardware_profile, max(budget, 1), planning.options)
+                plan, _ = search(model, hardware, max(budget, 1), options)
                 text = plan.to_json()
             except NoPlanFitsError as no_fit:
-                text = "!" + str(no_fit).splitlines()[0]
+                if no_fit.min_device_bytes < running_peak:  # not that low, but the most frugal plan is lower
+                    plan, _ = search(model, hardware, no_fit.min_device_bytes, options)
+                    text = plan.to_json()
+                else:
+                    text = "!" + str(no_fit).splitlines()[0]
             if group.world_size > 1:
                 _store().set(self._key("plan"), text)
         else:

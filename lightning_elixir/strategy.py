@@ -46,6 +46,7 @@ from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
+from lightning_elixir.autoplan import AutoPlanner
 from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
@@ -59,6 +60,7 @@ from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
+from lightning_elixir.search.calibrate import SelfCorrection
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +149,10 @@ class ElixirStrategy(ParallelStrategy):
             callback). On NCCL the process group's ``timeout`` applies instead.
         replan: with plan="auto", compare the first steps with the prediction and, when they differ,
             calibrate the cost model from them and search again; switch to a plan predicted clearly
-            faster, in place, once per run ([Note: self-correction] in search/calibrate.py; the
-            ElixirMonitor's ``calibration_steps`` say when). False: run the first plan throughout.
-            A plan given by the user is never changed.
+            faster, in place, once per run ([Note: self-correction] in search/calibrate.py). True: with
+            the defaults of ``SelfCorrection`` (4 calibration steps, 15% threshold, 10% margin); a
+            ``SelfCorrection`` to choose them; False: run the first plan throughout. A plan given by
+            the user is never changed.
         oom_recovery: with plan="auto", an out-of-memory error in a training step's forward or backward
             makes every rank give up the step, switch to a plan searched for the budget lowered by the
             measured overshoot, and redo the same micro-batch, losing and repeating nothing (at most 3
@@ -179,7 +182,7 @@ class ElixirStrategy(ParallelStrategy):
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
                  state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
-                 replan: bool = True, oom_recovery: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 replan: Union[bool, SelfCorrection] = True, oom_recovery: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
@@ -228,21 +231,24 @@ class ElixirStrategy(ParallelStrategy):
         """Parameters of modules that run on some ranks only, found for a plan given by the user."""
         self._averaging: list[Any] = []
         """Weight-averaging callbacks given sharded averages for this fit (averaging.py)."""
-        self.planning: Optional[PlanningResult] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
         for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
-                            ("replan", replan), ("oom_recovery", oom_recovery)):
+                            ("oom_recovery", oom_recovery)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
+        if not isinstance(replan, (bool, SelfCorrection)):
+            raise TypeError(f"replan must be True, False or a SelfCorrection, got {replan!r}")
         self.replan = replan
-        self.recovery: Optional[OutOfMemoryRecovery] = OutOfMemoryRecovery() if oom_recovery else None
-        """Out-of-memory recovery ([Note: recovering from out of memory]); None with ``oom_recovery=False``."""
+        correction = SelfCorrection() if replan is True else replan or None
+        self.planner: Optional[AutoPlanner] = AutoPlanner(
+            correction, OutOfMemoryRecovery() if oom_recovery else None) if self.plan == "auto" else None
+        """plan="auto": planning, self-correction and out-of-memory recovery ([Note: one owner of the plan])."""
         self._runtime_group: Optional[Group] = None
         self._step_args: tuple[tuple, dict] = ((), {})
         self._counted_step: Optional[int] = None
@@ -377,9 +383,19 @@ class ElixirStrategy(ParallelStrategy):
         return runtime
 
     @property
+    def planning(self) -> Optional[PlanningResult]:
+        """plan="auto": the search's view of the running plan (its profiles, budget and report); else None."""
+        return self.planner.planning if self.planner is not None else None
+
+    @property
+    def recovery(self) -> Optional[OutOfMemoryRecovery]:
+        """Out-of-memory recovery ([Note: recovering from out of memory]): plan="auto" with ``oom_recovery``."""
+        return self.planner.recovery if self.planner is not None else None
+
+    @property
     def may_replan(self) -> bool:
-        """Whether the running plan may be replaced after the first steps: plan="auto" with ``replan``."""
-        return self.replan and self.plan == "auto" and self.planning is not None and self.planning.report is not None
+        """Whether the running plan may still be replaced after the first steps: plan="auto" with ``replan``."""
+        return self.planner is not None and self.planner.may_replan
 
     def switch_plan(self, plan: ElixirPlan, grads: bool = False, budget_bytes: Optional[int] = None) -> None:
         """Re-chunk the running model under ``plan``, keeping its values and optimizer state (every rank,
@@ -390,20 +406,12 @@ class ElixirStrategy(ParallelStrategy):
         self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
         self.precision_plugin.runtime = self.runtime
         self._runtime_group = self.runtime.group if self._runtime_group is not None else None
-        if budget_bytes is not None and self.planning is not None:
-            self.planning = dataclasses.replace(self.planning, plan=plan, budget_bytes=budget_bytes)
-            trainer = self.lightning_module.trainer
-            monitor = self.monitor(trainer)
-            if monitor.planning is not None:
-                monitor.planning = self.planning
+        if self.planner is not None:
+            self.planner.switched(plan, budget_bytes)
 
     def planning_for_recovery(self) -> Optional[PlanningResult]:
         """The searched planning a recovery may search again from: plan="auto" that traced the step."""
-        planning = self.planning
-        if self.plan != "auto" or planning is None or planning.report is None or planning.model_profile is None:
-            return None
-        monitor = self.monitor(self.lightning_module.trainer)
-        return monitor.planning if monitor.planning is not None else planning
+        return self.planning if self.planner is not None and self.planner.searched else None
 
     def describe_running(self) -> str:
         """The running plan in the search report's words."""
@@ -413,8 +421,9 @@ class ElixirStrategy(ParallelStrategy):
         if isinstance(self.plan, ElixirPlan):
             return self._with_conditional_private(self.plan, trainer)
         # plans for the stage being run (fit, validate, test, predict), from that stage's own data
-        self.planning = self.monitor(trainer).plan(trainer, self)
-        return self.planning.plan
+        assert self.planner is not None
+        self.monitor(trainer)  # so that the plan is logged and the steps measured
+        return self.planner.plan(trainer, self).plan
 
     def _with_conditional_private(self, plan: ElixirPlan, trainer: Any) -> ElixirPlan:
         """A plan given by the user, with the parameters of modules that run on some ranks only in private

@@ -86,15 +86,29 @@ class Record(Callback):
             torch.save(weights, self.run / "weights.pt")
 
 
+SWITCHED = ElixirPlan(chunk_numel=12 << 10, cache_blocks="all", name="switched")
+
+
+class SwitchAfter(Callback):
+    """Switches the running plan to SWITCHED after an optimizer step, as the self-correction does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.switch_plan(SWITCHED)
+
+
 def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
-        recovery: bool = True) -> None:
+        recovery: bool = True, switch_after: int = 0) -> None:
     run.mkdir(parents=True, exist_ok=True)
     strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, default_root_dir=run,
-                        callbacks=[Record(run)])
+                        callbacks=[Record(run)] + ([SwitchAfter(switch_after)] if switch_after else []))
     try:
         if limit is None:
             trainer.fit(DropoutGPT())
@@ -129,23 +143,27 @@ TIGHT = 450_000
 """Between the most frugal plans' peak and the first plan's (measured under the emulated budget: about 380
 and 480-530 KB), so the first plan runs out and a smaller one fits."""
 STEPS = 6
-RECOVERED = {  # name: (limit, ranks, accumulate)
-    "step1": ({1: TIGHT}, None, 1),
-    "step5": ({1: ROOMY, 5: TIGHT}, None, 1),
-    "one_rank": ({1: TIGHT}, (1,), 1),
+RECOVERED = {  # name: (limit, ranks, accumulate, switch after)
+    "step1": ({1: TIGHT}, None, 1, 0),
+    "step5": ({1: ROOMY, 5: TIGHT}, None, 1, 0),
+    "one_rank": ({1: TIGHT}, (1,), 1, 0),
+    "after_switch": ({1: ROOMY, 4: TIGHT}, None, 1, 3),
+    "accumulating": ({1: ROOMY, 3: 500_000}, None, 2, 0),
 }
+"""The accumulating fit runs out in both micro-batches of step 3: the second redo carries the first's gradients."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """The recovered fits, the failing ones, then uninterrupted fits of the plans the recovered ones ended on."""
     root = tmp_path_factory.mktemp("oom")
-    fits = [(root / name, "auto", limit, ranks, STEPS, accumulate) for name, (limit, ranks, accumulate) in RECOVERED.items()]
+    fits = [(root / name, "auto", limit, ranks, STEPS, accumulate, True, switch)
+            for name, (limit, ranks, accumulate, switch) in RECOVERED.items()]
     fits += [(root / "repeated", "auto", {1: 150_000}, None, 2),
              (root / "off", "auto", {1: TIGHT}, None, 2, 1, False)]
     fit_on_ranks(2, fits, fit_fn=fit)
     references = []
-    for name, (_, _, accumulate) in RECOVERED.items():
+    for name, (_, _, accumulate, _) in RECOVERED.items():
         plan = result(root / name)["plan"]
         references.append((root / f"{name}_reference", plan, None, None, STEPS, accumulate))
     fit_on_ranks(2, references, fit_fn=fit)
@@ -154,16 +172,19 @@ def runs(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", list(RECOVERED))
 def test_a_step_that_runs_out_of_memory_is_redone_under_a_smaller_plan(runs, name):
-    """At step 1 (in backward), at step 5 and on one rank only (the other learns of it in its next
-    wait): each recovers, on both ranks, and trains exactly as the plan it ends on does from the start."""
+    """At step 1 (in backward), at step 5, on one rank only (the other learns of it in its next wait),
+    right after a plan switch and in both micro-batches of an accumulating step: each recovers, on
+    both ranks, and trains exactly as the plan it ends on does from the start."""
     for rank in (0, 1):
         assert not (runs / name / f"error{rank}.txt").exists(), (runs / name / f"error{rank}.txt").read_text()
     attempts = result(runs / name)["attempts"]
     assert attempts and attempts == result(runs / name, 1)["attempts"]
-    first_step = {"step1": 1, "step5": 5, "one_rank": 1}[name]
+    first_step = {"step1": 1, "step5": 5, "one_rank": 1, "after_switch": 4, "accumulating": 3}[name]
     assert attempts[0][0] == first_step
     if name == "one_rank":
         assert all(ranks == [1] for _, _, ranks in attempts)
+    if name == "accumulating":
+        assert len(attempts) == 2 and {a[0] for a in attempts} == {3}
     assert_same_training(runs / name, runs / f"{name}_reference")
 
 

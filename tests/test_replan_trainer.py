@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir.search.calibrate import SelfCorrection
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.search import evaluate_plan
@@ -61,7 +62,7 @@ class Planned(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
-        decision = strategy.monitor(trainer).decision
+        decision = strategy.planner.decision if strategy.planner is not None else None
         out = {"first": self.first, "last": strategy.runtime.plan.to_dict(),
                "decision": None if decision is None else {
                    "switched": decision.plan is not None, "reason": decision.reason, "outcome": decision.outcome,
@@ -98,10 +99,11 @@ def fit(run: Path, world_size: int, plan, hardware: Optional[str], replan: bool)
     callbacks = []
     if plan == "by hand":
         plan, callbacks = FIRST, [SwitchByHand()]
-    strategy = ElixirStrategy(plan=plan, hardware_profile=hardware, replan=replan,
+    correction = SelfCorrection(calibration_steps=CALIBRATION_STEPS, margin=0.0) if replan else False
+    strategy = ElixirStrategy(plan=plan, hardware_profile=hardware, replan=correction,
                               device_memory_limit=BUDGET if plan == "auto" else None,
                               collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
-    monitor = ElixirMonitor(calibration_steps=CALIBRATION_STEPS, replan_margin=0.0, figure=False)
+    monitor = ElixirMonitor(figure=False)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
                         use_distributed_sampler=False, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=run,

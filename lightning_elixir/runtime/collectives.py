@@ -82,8 +82,6 @@ DEFAULT_TIMEOUT_S = 600.0
 """How long one collective may take before the ranks are taken to have diverged ([Note: bounded waits])."""
 _WAIT_SLICE_S = 1.0
 """Longest host wait between chances for Python signal handlers to run."""
-_WATCHED_SLICE_S = 0.05
-"""Longest host wait between looks at the group's watch (another rank out of memory)."""
 _MAX_TAG = 2 ** 30
 """Point-to-point tags run over 1.._MAX_TAG (tag 0 is ``gather_to_first``'s)."""
 _SIGNATURE_MOD = 16_777_213
@@ -199,10 +197,10 @@ class Pending:
     def _wait_bounded(self, deadline: float) -> None:
         """Wait in slices until done or ``deadline``; signal handlers (and the group's watch) run between slices."""
         watch = self.group.watch[0]
-        longest = _WATCHED_SLICE_S if watch is not None else _WAIT_SLICE_S
         while True:
-            # A timedelta under 1 ms reaches torch as 0 ms, which means "no timeout".
-            slice_s = max(min(longest, deadline - time.monotonic()), 0.01)
+            # A timedelta under 1 ms reaches torch as 0 ms, which means "no timeout". Not shorter slices for
+            # the watch's sake: a gloo point-to-point wait that times out closes its connection.
+            slice_s = max(min(_WAIT_SLICE_S, deadline - time.monotonic()), 0.01)
             try:
                 self.work.wait(timeout=timedelta(seconds=slice_s))
                 return

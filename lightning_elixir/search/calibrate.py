@@ -67,6 +67,34 @@ NOISY = 1.0
 
 
 @dataclass(frozen=True)
+class SelfCorrection:
+    """When and how plan="auto" reconsiders its plan after the first steps ([Note: self-correction]).
+
+    Args:
+        calibration_steps: Training steps, after the first, whose median is compared with the
+            prediction; the self-correction decides after them. More steps: a steadier measurement,
+            a later switch.
+        threshold: How far (a fraction) the measured step may be from the prediction before the cost
+            model is calibrated and the search runs again.
+        margin: How much faster (a fraction) the calibrated search's plan must be predicted than the
+            running one for a switch.
+    """
+
+    calibration_steps: int = 4
+    threshold: float = 0.15
+    margin: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.calibration_steps, bool) or not isinstance(self.calibration_steps, int) \
+                or self.calibration_steps < 1:
+            raise ValueError(f"calibration_steps must be a positive int, got {self.calibration_steps!r}")
+        for name in ("threshold", "margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
+
+
+@dataclass(frozen=True)
 class StepMeasurement:
     """What a few real steps of one plan took (median step of the slowest rank), in seconds."""
 

@@ -1,0 +1,140 @@
+"""plan="auto" for one strategy: planning, the self-correction and out-of-memory recovery, with one owner.
+
+[Note: one owner of the plan]
+The strategy holds an ``AutoPlanner`` when its plan is "auto". It plans in ``Strategy.setup`` (the
+first point at which the process group is up, the model is complete and not yet chunked: planner.py,
+[Note: planning per stage]), keeps the one ``PlanningResult`` that describes the running plan (its
+``plan``, ``budget_bytes`` and profiles change with each switch), decides after the first steps
+whether to switch ([Note: self-correction] in search/calibrate.py) and shrinks the plan when a step
+runs out of memory ([Note: recovering from out of memory] in recovery.py). Every switch goes through
+``ElixirStrategy.switch_plan``, so the running plan is ``strategy.runtime.plan`` and the search's
+view of it is ``strategy.planning``; nothing else keeps a copy.
+
+The ElixirMonitor callback measures the steps (it wraps each optimizer step, micro-batches and
+callbacks included, as the user's step time) and hands each one to ``observe``; it logs what the
+planner decided and never decides itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
+from lightning_elixir.recovery import OutOfMemoryRecovery
+from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.phases import PHASES
+from lightning_elixir.search.calibrate import Decision, SelfCorrection, StepMeasurement, reconsider
+from lightning_elixir.search.report import format_bytes, format_ms
+
+
+class AutoPlanner:
+    """Plans, reconsiders and shrinks plan="auto" for one strategy ([Note: one owner of the plan])."""
+
+    def __init__(self, correction: Optional[SelfCorrection], recovery: Optional[OutOfMemoryRecovery]) -> None:
+        self.correction = correction
+        """None: the first plan runs throughout."""
+        self.recovery = recovery
+        """None: an out-of-memory error propagates."""
+        self.planning: Optional[PlanningResult] = None
+        """The search's view of the running plan (None before planning)."""
+        self.decision: Optional[Decision] = None
+        """What the self-correction concluded (None until it ran)."""
+        self._samples: list[list[float]] = []
+
+    @property
+    def searched(self) -> bool:
+        """Whether the running plan came from the search (not the untraced fallback)."""
+        return self.planning is not None and self.planning.report is not None and self.planning.model_profile is not None
+
+    def plan(self, trainer: Any, strategy: Any) -> PlanningResult:
+        """Profile, search and agree on the plan for the stage ``trainer`` runs (every rank calls this)."""
+        precision = strategy.precision_plugin
+        given = strategy.hardware_profile is not None
+        rank_zero_info("Elixir: planning — " + ("reading the given hardware profile" if given else
+                       "measuring this machine (collectives, optimizer speed; cached after the first run)")
+                       + ", then tracing one step on fake tensors and searching")
+        self.planning = plan_for_trainer(
+            strategy.model, trainer, device=strategy.root_device, group=strategy._group(),
+            compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
+            memory_limit=strategy.device_memory_limit, local_world_size=strategy.num_processes,
+            hardware=strategy.hardware_profile, private_params=strategy.private_params,
+            offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit))
+        rank_zero_info(progress_lines(self.planning))
+        return self.planning
+
+    def switched(self, plan: Any, budget_bytes: Optional[int] = None, **profiles: Any) -> None:
+        """The strategy now runs ``plan`` (searched for ``budget_bytes``, on ``profiles`` when given)."""
+        if self.planning is None:
+            return
+        changes = {"plan": plan, **profiles}
+        if budget_bytes is not None:
+            changes["budget_bytes"] = budget_bytes
+        self.planning = dataclasses.replace(self.planning, **changes)
+        self._samples = []  # steps of the old plan say nothing about the new one
+
+    # ---- self-correction -----------------------------------------------------------------------
+
+    @property
+    def may_replan(self) -> bool:
+        return self.correction is not None and self.searched and self.decision is None
+
+    def observe(self, strategy: Any, sample: list[float]) -> Optional[Decision]:
+        """One measured training step ([step_s, *phase waits, peak, reserved]); after enough of them, the
+        self-correction's decision (every rank), applied: a switch goes through ``strategy.switch_plan``."""
+        if not self.may_replan:
+            return None
+        assert self.correction is not None and self.planning is not None
+        self._samples.append(sample)
+        if len(self._samples) < self.correction.calibration_steps:
+            return None
+        planning = self.planning
+        measured = _slowest_rank(self._samples, strategy.runtime)
+        self._samples = []
+        decision = reconsider(strategy.runtime.plan, planning.model_profile, planning.hardware_profile,
+                              planning.budget_bytes, planning.options, measured, self.correction.threshold,
+                              self.correction.margin)
+        plan = strategy.broadcast(decision.plan)  # rank 0's conclusion, on every rank
+        self.decision = decision = dataclasses.replace(decision, plan=plan)
+        if plan is not None:
+            calibration, report = decision.calibration, decision.report
+            assert calibration is not None and report is not None
+            strategy.switch_plan(plan)
+            self.switched(plan, report=report, model_profile=calibration.model, hardware_profile=calibration.hardware)
+        return decision
+
+
+def progress_lines(planning: PlanningResult) -> str:
+    """A few readable lines: what was measured and how long it took, the plan, its prediction."""
+    took = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in planning.seconds.items())
+    hw = planning.hardware_profile
+    lines = [f"Elixir: planned in {sum(planning.seconds.values()):.1f} s ({took}); machine: {hw.device_name}, "
+             f"{hw.world_size} rank(s)"]
+    report = planning.report
+    if report is None:
+        lines.append(f"Elixir: the step could not be traced ({planning.fallback_reason}); running the fallback plan")
+        return "\n".join(lines)
+    w = report.winner
+    lines.append(f"Elixir: chose {w.describe()}")
+    lines.append(f"Elixir: predicted step {format_ms(w.step_s)} (lower bound {format_ms(report.lower_bound_s)}, "
+                 f"{report.lower_bound_reason}); peak {format_bytes(w.peak_bytes)} of "
+                 f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}")
+    return "\n".join(lines)
+
+
+def _slowest_rank(samples: list[list[float]], runtime: Any) -> StepMeasurement:
+    """The median of each measured column over the steps, the largest over ranks."""
+    steps = [sample[0] for sample in samples]
+    spread = (max(steps) - min(steps)) / statistics.median(steps) if statistics.median(steps) > 0 else 0.0
+    medians = torch.tensor([statistics.median(column) for column in zip(*samples)] + [spread], dtype=torch.float64,
+                           device=runtime.device)
+    step_s, *waits, peak, reserved, spread = collectives.all_reduce_max(medians, runtime.group).tolist()
+    phases = dict(zip(PHASES, waits))
+    return StepMeasurement(step_s, gather_wait_s=phases["gather_wait"], reduce_wait_s=phases["reduce_wait"],
+                           offload_wait_s=phases["offload_wait"], optimizer_s=phases["optimizer"],
+                           spread=spread, peak_bytes=int(peak) if peak >= 0 else None,
+                           reserved_bytes=int(reserved) if reserved >= 0 else None)
