@@ -123,6 +123,7 @@ def progress_lines(planning: PlanningResult) -> str:
     lines.append(f"Elixir: predicted step {format_ms(w.step_s)} (lower bound {format_ms(report.lower_bound_s)}, "
                  f"{report.lower_bound_reason}); peak {format_bytes(w.peak_bytes)} of "
                  f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}")
+    lines += [f"Elixir: {note}" for note in planning.notes if note.startswith("recomputing")]
     return "\n".join(lines)
 
 

@@ -146,6 +146,9 @@ class ElixirPlan:
     """Reduce-scatter gradients in fp32 (exact) rather than in the compute dtype (half the bytes)."""
     name: str = "custom"
     """A label for logs and reports."""
+    recompute: tuple[str, ...] = ()
+    """Blocks (module names) whose activations are recomputed in backward rather than kept: the
+    runtime checkpoints them ([Note: searched recomputation] in recompute.py)."""
 
     def __post_init__(self) -> None:
         _check_int(self, "chunk_numel", "plan", 1, optional=True)
@@ -162,6 +165,9 @@ class ElixirPlan:
         _check_int(self, "world_size", "plan", 1, optional=True)
         _check_type(self, "reduce_in_fp32", "plan", bool, "a bool (true/false)")
         _check_type(self, "name", "plan", str, "a string")
+        recompute = _as_tuple(self, "recompute", "plan", "a list of module names")
+        if any(not isinstance(n, str) for n in recompute) or len(set(recompute)) != len(recompute):
+            raise PlanError(f"plan field 'recompute' must list distinct module names, got {_got(self.recompute)}")
         if self.chunks and self.world_size is None:
             raise PlanError("a plan with an explicit chunk layout must state the world_size it was built for")
         if self.world_size is not None:

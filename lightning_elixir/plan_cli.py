@@ -41,11 +41,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_elixir.plan import PlanError
-from lightning_elixir.planner import PlanningResult, search_options, with_private_params
+from lightning_elixir.planner import PlanningResult, search_options, search_with_recomputation, with_private_params
+from lightning_elixir.recompute import recomputing
 from lightning_elixir.profile import HardwareProfile, ProfileError, profile_model
 from lightning_elixir.profile.assumed import AssumedValues, host_conversions
 from lightning_elixir.runtime.policy import PrecisionPolicy
-from lightning_elixir.search import NoPlanFitsError, parse_memory_limit, search
+from lightning_elixir.search import NoPlanFitsError, parse_memory_limit
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.report import format_bytes, format_ms
 
@@ -227,14 +228,17 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
     local = _ranks_per_machine(hardware, devices)
     budget = _budget_bytes(hardware, device_memory_limit, local)
     host_bytes = _host_bytes(host_memory_limit, local)
-    profile = profile_model(inputs.module, inputs.batch, compute_dtype=policy.autocast_dtype or policy.compute_dtype,
-                            hardware=hardware, device="cpu", param_dtype=policy.compute_dtype)
-    profile = with_private_params(profile, inputs.strategy.get("private_params", ()))
+    def traced(names: tuple[str, ...] = ()) -> Any:
+        with recomputing(inputs.module, names):
+            profile = profile_model(inputs.module, inputs.batch, compute_dtype=policy.autocast_dtype or policy.compute_dtype,
+                                    hardware=hardware, device="cpu", param_dtype=policy.compute_dtype)
+        return with_private_params(profile, inputs.strategy.get("private_params", ()))
+
     options = search_options(devices, inputs.micro_batches, policy.compute_dtype, policy.autocast_dtype,
                              nvme_available=nvme, host_memory_bytes=host_bytes)
-    plan, report = search(profile, hardware, budget, options)
+    plan, report, profile, notes = search_with_recomputation(inputs.module, traced(), traced, hardware, budget, options)
     return PlanningResult(plan, report, profile, hardware, budget, options=options,
-                          notes=_notes(hardware, devices, host_bytes))
+                          notes=notes + _notes(hardware, devices, host_bytes))
 
 
 def _ranks_per_machine(hardware: HardwareProfile, devices: int) -> int:

@@ -40,7 +40,11 @@ from lightning_elixir.profile.preserved import preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.recompute import recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
+from lightning_elixir.search.errors import NoPlanFitsError
+from lightning_elixir.search.report import format_ms
+from lightning_elixir.units import block_names
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +248,7 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
     def trace(**settings: Any) -> ModelProfile:
         return profile_model(module, batch, step_fn, backward=backward, **settings)
 
-    return _plan(trace, "the step", device=device, group=group, compute_dtype=compute_dtype,
+    return _plan(trace, "the step", module=module, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
                  local_world_size=local_world_size, hardware=hardware, private_params=private_params,
                  offload=offload)
@@ -268,7 +272,7 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
         return profile_model(module, data.batch, data.step_fn, backward=step.backward, **settings)
 
     micro_batches = trainer.accumulate_grad_batches if step.backward else 1
-    return _plan(trace, step.hook, device=device, group=group, compute_dtype=compute_dtype,
+    return _plan(trace, step.hook, module=module, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
                  local_world_size=local_world_size, hardware=hardware, private_params=private_params,
                  offload=offload)
@@ -298,7 +302,8 @@ def value_dependent_params(module: torch.nn.Module, trainer: Any, *, device: tor
     return names
 
 
-def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device, group: Group,
+def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Module, device: torch.device,
+          group: Group,
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,
           hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = (),
@@ -326,9 +331,56 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, device: torch.device
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason, seconds=seconds)
         profile = with_private_params(profile, private_params)
         options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
-        plan, report = search(profile, hw, budget, options)
+
+        def traced(names: tuple[str, ...]) -> ModelProfile:
+            with recomputing(module, names):
+                return with_private_params(trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw,
+                                                 device=device, param_dtype=compute_dtype), private_params)
+
+        plan, report, profile, notes = search_with_recomputation(module, profile, traced, hw, budget, options)
         seconds["search"] = time.perf_counter() - clock
-        return PlanningResult(_agree(plan, group), report, profile, hw, budget, options=options, seconds=seconds)
+        return PlanningResult(_agree(plan, group), report, profile, hw, budget, options=options, seconds=seconds,
+                              notes=notes)
+
+
+def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, traced: Callable[[tuple[str, ...]], ModelProfile],
+                        hw: HardwareProfile, budget: int, options: SearchOptions
+                        ) -> tuple[ElixirPlan, SearchReport, ModelProfile, tuple[str, ...]]:
+    """The search's best plan, weighing recomputation against offloading ([Note: searched recomputation]).
+
+    Without memory pressure (the plan without recomputation keeps all state on the device) that plan
+    is taken as it is. Otherwise every other block, then every block, recomputing are traced and
+    searched too, and the fastest predicted plan that fits wins. Raises the first ``NoPlanFitsError``
+    when no variant fits."""
+    try:
+        plan, report = search(profile, hw, budget, options)
+        found, failure = [((), plan, report, profile)], None
+    except NoPlanFitsError as err:
+        found, failure = [], err
+    if found and not plan.offloads:
+        return plan, report, profile, ()
+    blocks = () if any(a.phase == "recompute" for a in profile.accesses) else block_names(module)
+    variants = [names for names in (blocks[1::2], blocks) if names]
+    for names in dict.fromkeys(variants):  # one block: the same variant twice
+        try:
+            variant = traced(names)
+            found.append((names, *search(variant, hw, budget, options), variant))
+        except NoPlanFitsError:
+            continue
+        except Exception as err:  # noqa: BLE001 (a variant that cannot be traced is not chosen)
+            log.debug("could not trace the step with %d blocks recomputing", len(names), exc_info=err)
+    if not found:
+        assert failure is not None
+        raise failure
+    names, plan, report, profile = min(found, key=lambda f: f[2].winner.step_s)
+    if not names:
+        return plan, report, profile, ()
+    without = next((f for f in found if not f[0]), None)
+    instead = (f"without it the best plan is predicted at {format_ms(without[2].winner.step_s)} "
+               f"({without[2].placement_summary()})" if without else "without it no plan fits the budget")
+    note = (f"recomputing {len(names)} of {len(blocks)} blocks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}):"
+            f" predicted {format_ms(report.winner.step_s)}; {instead}")
+    return dataclasses.replace(plan, recompute=names), report, profile, (note,)
 
 
 def with_private_params(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:

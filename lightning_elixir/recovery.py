@@ -102,10 +102,12 @@ class StepSnapshot:
     results: Optional[tuple[Any, dict[str, Any]]]
 
     @classmethod
-    def take(cls, module: nn.Module, results: Any, cuda: bool) -> "StepSnapshot":
-        buffers = [(m, name, b.detach().clone()) for m in module.modules() for name, b in m._buffers.items()
-                   if b is not None and name not in m._non_persistent_buffers_set]
-        metrics = [_metric_state(m) for m in module.modules() if _is_metric(m)]
+    def take(cls, module: nn.Module, results: Any, cuda: bool,
+             where: Optional[tuple[list[tuple[nn.Module, str]], list[nn.Module]]] = None) -> "StepSnapshot":
+        """``where``: ``state_slots(module)``, when the caller keeps it between micro-batches."""
+        slots, metric_modules = where if where is not None else state_slots(module)
+        buffers = [(m, name, m._buffers[name].detach().clone()) for m, name in slots if m._buffers.get(name) is not None]
+        metrics = [_metric_state(m) for m in metric_modules]
         kept = None
         if results is not None:
             kept = (results, {key: (value, [_metric_state(m) for m in _result_metrics(value)])
@@ -131,6 +133,14 @@ class StepSnapshot:
                 results[key] = value
                 for state in states:
                     _put_metric_state(state)
+
+
+def state_slots(module: nn.Module) -> tuple[list[tuple[nn.Module, str]], list[nn.Module]]:
+    """Where a micro-batch may change state in place: the persistent buffers (as module and name, so that a
+    tensor assigned later is found) and the torchmetrics metrics."""
+    modules = list(module.modules())
+    slots = [(m, name) for m in modules for name in m._buffers if name not in m._non_persistent_buffers_set]
+    return slots, [m for m in modules if _is_metric(m)]
 
 
 def _is_metric(module: nn.Module) -> bool:
@@ -182,6 +192,7 @@ class OutOfMemoryRecovery:
         self._retired_at_begin = self._retired_at_step = 0
         self._stepped = -1
         self._reductions: Any = None
+        self._slots: Optional[tuple[Any, Any]] = None
         self._carried = False
 
     # ---- the group and its watch ---------------------------------------------------------------
@@ -208,7 +219,9 @@ class OutOfMemoryRecovery:
 
     def begin(self, runtime: Any, results: Any) -> None:
         """A micro-batch starts: keep what a redo must find as before."""
-        self.snapshot = StepSnapshot.take(runtime.module, results, runtime.device.type == "cuda")
+        if self._slots is None or self._slots[0] is not runtime:  # found once per runtime
+            self._slots = (runtime, state_slots(runtime.module))
+        self.snapshot = StepSnapshot.take(runtime.module, results, runtime.device.type == "cuda", self._slots[1])
         reductions, stepped = runtime.grads.reductions, runtime.steps + runtime.skipped_steps
         if reductions is not self._reductions:  # a new runtime: it holds the gradients carried into it, or none
             self._reductions, self._stepped = reductions, stepped

@@ -47,6 +47,7 @@ from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, c
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.autoplan import AutoPlanner
+from lightning_elixir.recompute import Recomputation
 from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
@@ -86,8 +87,9 @@ def describe_runtime(runtime: ElixirRuntime) -> str:
     blocks = "all" if runtime.resident or runtime.cache.capacity >= len(public) else str(runtime.cache.capacity)
     cpu = sum(c.placement == "cpu" for c in chunks)
     nvme = sum(c.placement == "nvme" for c in chunks)
+    recompute = f" recompute={len(runtime.plan.recompute)} blocks" if runtime.plan.recompute else ""
     return (f"chunk={max((c.numel for c in chunks), default=0):,} blocks={blocks} "
-            f"prefetch={runtime.plan.prefetch_depth} offload={cpu}cpu+{nvme}nvme/{len(chunks)}")
+            f"prefetch={runtime.plan.prefetch_depth} offload={cpu}cpu+{nvme}nvme/{len(chunks)}{recompute}")
 
 
 def _holds_meta(module: Any) -> bool:
@@ -252,6 +254,7 @@ class ElixirStrategy(ParallelStrategy):
         self._runtime_group: Optional[Group] = None
         self._step_args: tuple[tuple, dict] = ((), {})
         self._counted_step: Optional[int] = None
+        self._recomputation: Optional[Recomputation] = None
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
         self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
@@ -373,6 +376,7 @@ class ElixirStrategy(ParallelStrategy):
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
         plan = self._plan_for(trainer)
+        self._recompute(plan)
         deferred, self._deferred = self._deferred, []  # replayed into this model's chunks, then not needed
         runtime = ElixirRuntime(self.model, plan, device=self.root_device, policy=self.precision_plugin.policy,
                                 group=self._group(), private_params=self.private_params + self._conditional,
@@ -403,11 +407,21 @@ class ElixirStrategy(ParallelStrategy):
         accumulated so far; [Note: switching plans] in runtime/replan.py). ``budget_bytes``: the budget
         ``plan`` was searched for, when it is not the first search's (a recovery lowered it)."""
         assert self.runtime is not None
+        self._recompute(plan)
         self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
         self.precision_plugin.runtime = self.runtime
         self._runtime_group = self.runtime.group if self._runtime_group is not None else None
         if self.planner is not None:
             self.planner.switched(plan, budget_bytes)
+
+    def _recompute(self, plan: ElixirPlan) -> None:
+        """Checkpoint the blocks ``plan`` recomputes, and only those ([Note: searched recomputation])."""
+        current = self._recomputation.names if self._recomputation is not None else ()
+        if tuple(plan.recompute) == current:
+            return
+        if self._recomputation is not None:
+            self._recomputation.remove()
+        self._recomputation = Recomputation(self.model, plan.recompute) if plan.recompute else None
 
     def planning_for_recovery(self) -> Optional[PlanningResult]:
         """The searched planning a recovery may search again from: plan="auto" that traced the step."""
@@ -512,7 +526,7 @@ class ElixirStrategy(ParallelStrategy):
             except Exception as err:
                 if not recoverable_error(err):
                     raise
-                stepped = self.runtime.steps + self.runtime.skipped_steps != steps
+                stepped = self.runtime.updating or self.runtime.steps + self.runtime.skipped_steps != steps
                 self._recover(err, "training_step", "an optimizer already stepped in this training_step (manual "
                                                     "optimization), and its update cannot be undone" if stepped else None)
 
@@ -750,6 +764,9 @@ class ElixirStrategy(ParallelStrategy):
         elif self.runtime is not None and self.unshard_on_teardown:
             self.runtime.restore_module()
             self.runtime = self.precision_plugin.runtime = None
+        if self.runtime is None and self._recomputation is not None:  # the module is the user's again
+            self._recomputation.remove()
+            self._recomputation = None
         if self.runtime is None and not _holds_meta(self.lightning_module):
             super().teardown()  # moves the (plain) module to the CPU, as for DDP; checkpoint_io too
         else:

@@ -74,6 +74,21 @@ def hook_units(module: nn.Module) -> tuple[Unit, ...]:
     return tuple(Unit(name, tuple(params)) for name, params in sorted(owned.items(), key=lambda kv: order[kv[0]]))
 
 
+def block_names(module: nn.Module) -> tuple[str, ...]:
+    """The blocks of ``module``'s tree (see [Note: hook units]) that no other block contains, in order."""
+    found: list[str] = []
+
+    def visit(name: str, mod: nn.Module, parent: nn.Module | None) -> None:
+        if _is_block(mod, parent):
+            found.append(name)
+            return
+        for child_name, child in mod.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, mod)
+
+    visit("", module, None)
+    return tuple(found)
+
+
 def _is_block(mod: nn.Module, parent: nn.Module | None) -> bool:
     """A repeated child of a container that holds parameters."""
     if not isinstance(parent, CONTAINERS):

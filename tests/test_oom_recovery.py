@@ -11,6 +11,7 @@ twice would change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import traceback
 from datetime import timedelta
@@ -37,10 +38,10 @@ BUDGET = 4 << 20
 
 
 class DropoutGPT(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, checkpointing: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = GPT(CONFIG)
+        self.model = GPT(dataclasses.replace(CONFIG, activation_checkpointing=checkpointing))
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
@@ -57,6 +58,25 @@ class DropoutGPT(L.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ManualDropoutGPT(DropoutGPT):
+    """The same model under manual optimization: backward and the optimizer step inside training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), batch[:, 1:].reshape(-1))
+        self.log("mean_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()
+        return {"loss": loss.detach()}
 
 
 class Record(Callback):
@@ -101,7 +121,7 @@ class SwitchAfter(Callback):
 
 
 def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
-        recovery: bool = True, switch_after: int = 0) -> None:
+        recovery: bool = True, switch_after: int = 0, manual: bool = False, checkpointing: bool = False) -> None:
     run.mkdir(parents=True, exist_ok=True)
     strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
@@ -109,12 +129,13 @@ def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: 
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, default_root_dir=run,
                         callbacks=[Record(run)] + ([SwitchAfter(switch_after)] if switch_after else []))
+    model = ManualDropoutGPT() if manual else DropoutGPT(checkpointing)
     try:
         if limit is None:
-            trainer.fit(DropoutGPT())
+            trainer.fit(model)
         else:
             with emulated_device_memory(limit, ranks=ranks):
-                trainer.fit(DropoutGPT())
+                trainer.fit(model)
     except Exception as err:  # the test reads what was raised
         (run / f"error{trainer.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
         (run / f"traceback{trainer.global_rank}.txt").write_text(traceback.format_exc())
@@ -143,12 +164,13 @@ TIGHT = 450_000
 """Between the most frugal plans' peak and the first plan's (measured under the emulated budget: about 380
 and 480-530 KB), so the first plan runs out and a smaller one fits."""
 STEPS = 6
-RECOVERED = {  # name: (limit, ranks, accumulate, switch after)
-    "step1": ({1: TIGHT}, None, 1, 0),
-    "step5": ({1: ROOMY, 5: TIGHT}, None, 1, 0),
-    "one_rank": ({1: TIGHT}, (1,), 1, 0),
-    "after_switch": ({1: ROOMY, 4: TIGHT}, None, 1, 3),
-    "accumulating": ({1: ROOMY, 3: 500_000}, None, 2, 0),
+RECOVERED = {  # name: (limit, ranks, accumulate, switch after, manual optimization)
+    "step1": ({1: TIGHT}, None, 1, 0, False),
+    "step5": ({1: ROOMY, 5: TIGHT}, None, 1, 0, False),
+    "one_rank": ({1: TIGHT}, (1,), 1, 0, False),
+    "after_switch": ({1: ROOMY, 4: TIGHT}, None, 1, 3, False),
+    "accumulating": ({1: ROOMY, 3: 500_000}, None, 2, 0, False),
+    "manual": ({1: ROOMY, 2: TIGHT}, None, 1, 0, True),
 }
 """The accumulating fit runs out in both micro-batches of step 3: the second redo carries the first's gradients."""
 
@@ -157,15 +179,15 @@ RECOVERED = {  # name: (limit, ranks, accumulate, switch after)
 def runs(tmp_path_factory) -> Path:
     """The recovered fits, the failing ones, then uninterrupted fits of the plans the recovered ones ended on."""
     root = tmp_path_factory.mktemp("oom")
-    fits = [(root / name, "auto", limit, ranks, STEPS, accumulate, True, switch)
-            for name, (limit, ranks, accumulate, switch) in RECOVERED.items()]
+    fits = [(root / name, "auto", limit, ranks, STEPS, accumulate, True, switch, manual)
+            for name, (limit, ranks, accumulate, switch, manual) in RECOVERED.items()]
     fits += [(root / "repeated", "auto", {1: 150_000}, None, 2),
              (root / "off", "auto", {1: TIGHT}, None, 2, 1, False)]
     fit_on_ranks(2, fits, fit_fn=fit)
     references = []
-    for name, (_, _, accumulate, _) in RECOVERED.items():
+    for name, (_, _, accumulate, _, manual) in RECOVERED.items():
         plan = result(root / name)["plan"]
-        references.append((root / f"{name}_reference", plan, None, None, STEPS, accumulate))
+        references.append((root / f"{name}_reference", plan, None, None, STEPS, accumulate, True, 0, manual))
     fit_on_ranks(2, references, fit_fn=fit)
     return root
 
@@ -173,13 +195,14 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", list(RECOVERED))
 def test_a_step_that_runs_out_of_memory_is_redone_under_a_smaller_plan(runs, name):
     """At step 1 (in backward), at step 5, on one rank only (the other learns of it in its next wait),
-    right after a plan switch and in both micro-batches of an accumulating step: each recovers, on
-    both ranks, and trains exactly as the plan it ends on does from the start."""
+    right after a plan switch, in both micro-batches of an accumulating step and under manual
+    optimization: each recovers, on both ranks, and trains exactly as the plan it ends on does from
+    the start."""
     for rank in (0, 1):
         assert not (runs / name / f"error{rank}.txt").exists(), (runs / name / f"error{rank}.txt").read_text()
     attempts = result(runs / name)["attempts"]
     assert attempts and attempts == result(runs / name, 1)["attempts"]
-    first_step = {"step1": 1, "step5": 5, "one_rank": 1, "after_switch": 4, "accumulating": 3}[name]
+    first_step = {"step1": 1, "step5": 5, "one_rank": 1, "after_switch": 4, "accumulating": 3, "manual": 2}[name]
     assert attempts[0][0] == first_step
     if name == "one_rank":
         assert all(ranks == [1] for _, _, ranks in attempts)

@@ -1,0 +1,127 @@
+"""Recomputation chosen by the search ([Note: searched recomputation] in recompute.py).
+
+- The search picks recomputation when that is the only way to fit a budget, and says so.
+- A plan that recomputes blocks trains exactly as the same plan without (two gloo ranks, dropout on,
+  a plan that gathers per block and one that keeps everything gathered), also when the model
+  checkpoints its blocks itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_elixir import ElixirPlan, PlanError
+from lightning_elixir.demos.gpt import GPT, GPTConfig
+from lightning_elixir.planner import plan_automatically
+from lightning_elixir.profile import profile_model
+from lightning_elixir.recompute import Recomputation, recomputing
+from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.search import NoPlanFitsError, search
+from lightning_elixir.units import block_names
+from tests.test_oom_recovery import fit, result
+from tests.test_resume import fit_on_ranks
+
+LONG = GPTConfig(vocab_size=64, block_size=256, n_layer=4, n_head=2, n_embd=32, bias=False)
+"""Long sequences on a narrow model: the activations dwarf the parameters."""
+
+
+def _step(module, batch):
+    logits = module(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, LONG.vocab_size), batch[:, 1:].reshape(-1))
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(LONG.vocab_size, (8, LONG.block_size + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _least_need(model, names=()) -> int:
+    with recomputing(model, names):
+        profile = profile_model(model, _batch(), _step, device="cpu")
+    from lightning_elixir.planner import search_options
+    options = search_options(1, 1, torch.float32, None)
+    from tests.search.profiles import hardware
+    with pytest.raises(NoPlanFitsError) as err:
+        search(profile, hardware(world_size=1), 1, options)
+    return err.value.min_device_bytes
+
+
+def test_the_search_recomputes_when_nothing_else_fits_and_says_so():
+    torch.manual_seed(0)
+    model = GPT(LONG)
+    blocks = block_names(model)
+    assert blocks == ("h.0", "h.1", "h.2", "h.3")
+    plain, recomputed = _least_need(model), _least_need(model, blocks)
+    assert recomputed < plain  # recomputation is the lever here
+    result_ = plan_automatically(model, _batch(), device=torch.device("cpu"), group=Group(None, 0, 1),
+                                 compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                                 memory_limit=(plain + recomputed) // 2, step_fn=_step)
+    assert result_.plan.recompute and set(result_.plan.recompute) <= set(blocks)
+    assert any("without it no plan fits the budget" in note for note in result_.notes)
+    assert result_.report.winner.peak_bytes <= (plain + recomputed) // 2
+    # with room for everything, nothing is recomputed
+    roomy = plan_automatically(model, _batch(), device=torch.device("cpu"), group=Group(None, 0, 1),
+                               compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                               memory_limit=plain * 4, step_fn=_step)
+    assert roomy.plan.recompute == () and not roomy.notes
+
+
+def test_recomputation_hooks_give_the_same_gradients_and_come_off():
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(LONG, dropout=0.2))
+    batch = _batch()
+    torch.manual_seed(1)
+    _step(model, batch).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    hooks = Recomputation(model, block_names(model))
+    torch.manual_seed(1)
+    _step(model, batch).backward()
+    assert all(torch.equal(e, p.grad) for e, p in zip(expected, model.parameters()))
+    hooks.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    with pytest.raises(ValueError, match="does not have"):
+        Recomputation(model, ["h.9"])
+
+
+def test_a_plan_names_distinct_modules_to_recompute():
+    assert ElixirPlan.from_dict({"recompute": ["model.h.0"]}).recompute == ("model.h.0",)
+    with pytest.raises(PlanError, match="recompute"):
+        ElixirPlan.from_dict({"recompute": "model.h.0"})
+    with pytest.raises(PlanError, match="distinct"):
+        ElixirPlan(recompute=("a", "a"))
+
+
+BLOCKS = ("model.h.0", "model.h.1")
+PLANS = {"gathered_per_block": ElixirPlan(chunk_numel=12 << 10, cache_blocks="min", name="per block"),
+         "resident": ElixirPlan(cache_blocks="all", name="resident")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("recompute")
+    fits = []
+    for name, plan in PLANS.items():
+        for recompute in (False, True):
+            for own in (False, True):
+                chosen = dataclasses.replace(plan, recompute=BLOCKS) if recompute else plan
+                fits.append((root / f"{name}_{recompute}_{own}", chosen, None, None, 4, 1, True, 0, False, own))
+    fit_on_ranks(2, fits, fit_fn=fit)
+    return root
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["model_as_is", "model_checkpoints_itself"])
+@pytest.mark.parametrize("name", list(PLANS))
+def test_recomputing_blocks_trains_exactly_as_without(runs, name, own):
+    for rank in (0, 1):
+        assert not (runs / f"{name}_True_{own}" / f"error{rank}.txt").exists()
+        got, want = result(runs / f"{name}_True_{own}", rank), result(runs / f"{name}_False_{own}", rank)
+        assert got["plan"]["recompute"] == list(BLOCKS) and want["plan"]["recompute"] == []
+        assert [r[2] for r in got["rows"]] == pytest.approx([r[2] for r in want["rows"]], rel=1e-6)
+    weights = torch.load(runs / f"{name}_True_{own}" / "weights.pt")
+    for key, value in torch.load(runs / f"{name}_False_{own}" / "weights.pt").items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-6, atol=1e-7, msg=key)
