@@ -40,11 +40,10 @@ from lightning_elixir.profile.preserved import preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
-from lightning_elixir.recompute import recomputing
+from lightning_elixir.recompute import recompute_candidates, recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.report import format_ms
-from lightning_elixir.units import block_names
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +358,7 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
         found, failure = [], err
     if found and not plan.offloads:
         return plan, report, profile, ()
-    blocks = () if any(a.phase == "recompute" for a in profile.accesses) else block_names(module)
+    blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
     variants = [names for names in (blocks[1::2], blocks) if names]
     for names in dict.fromkeys(variants):  # one block: the same variant twice
         try:

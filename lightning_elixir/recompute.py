@@ -8,9 +8,14 @@ forward of it. plan="auto" weighs the two together (planner.py): when the plan w
 recomputation is short of memory (it offloads, or nothing fits), the step is traced again with
 every other block and with every block recomputing, each variant is searched, and the fastest
 prediction that fits wins; the plan lists the blocks (``ElixirPlan.recompute``). The blocks are
-the hook units' blocks ([Note: hook units] in units.py): the repeated layers of the model. A
+the hook units' blocks ([Note: hook units] in units.py): the repeated layers of the model, less
+those with persistent buffers (a recomputed BatchNorm would update its running statistics twice). A
 model that already recomputes (the user's own checkpointing, seen as "recompute" accesses in the
-trace) is left as it is.
+trace) is left as it is. A call of a block whose arguments include an object other than tensors
+and plain values (a key-value cache the call appends to) runs without recomputation: the
+recomputation would see the object as the call left it; so does a call under
+``torch.func.functional_call`` (tensors in place of the parameters, gone by the time of the
+recomputation).
 
 The runtime applies it as PyTorch's composable checkpointing does: a forward pre-hook on the block
 opens a non-reentrant checkpoint region and its forward hook closes it, so parameter names, the
@@ -26,8 +31,11 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.utils import checkpoint as _checkpoint
+
+from lightning_elixir.units import block_names
 
 
 class Recomputation:
@@ -45,26 +53,17 @@ class Recomputation:
             self._install(modules[name])
 
     def _install(self, block: nn.Module) -> None:
-        state = {"enabled": True, "region": None}
-
-        @contextlib.contextmanager
-        def recomputing() -> Iterator[None]:  # the block's call inside backward runs without a new region
-            state["enabled"] = False
-            try:
-                yield
-            finally:
-                state["enabled"] = True
+        state = _BlockState()
 
         def open_region(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if state["enabled"]:
+            if state.enabled and _plain((args, kwargs)) and not _reparametrized(mod):
                 region = _checkpoint._checkpoint_without_reentrant_generator(
-                    mod, True, lambda: (contextlib.nullcontext(), recomputing()), "default", False, True,
-                    *args, **kwargs)
+                    mod, True, lambda: (contextlib.nullcontext(), state), "default", False, True, *args, **kwargs)
                 next(region)
-                state["region"] = region
+                state.region = region
 
         def close_region(mod: nn.Module, args: tuple, output: Any) -> None:
-            region, state["region"] = state["region"], None
+            region, state.region = state.region, None
             if region is not None:
                 with contextlib.suppress(StopIteration):
                     next(region)
@@ -76,6 +75,50 @@ class Recomputation:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class _BlockState:
+    """One block's region, and the context its recomputation runs in: the block's call inside backward
+    opens no region of its own. Entered once per recomputation (twice when a graph is kept and
+    differentiated again), so a class rather than a one-shot generator context."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.region: Any = None
+
+    def __enter__(self) -> None:
+        self.enabled = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.enabled = True
+
+
+def _plain(value: Any) -> bool:
+    """Whether a call's arguments are tensors and plain values only. An object among them (a key-value
+    cache that the call appends to, say) may be changed by the call, and the recomputation would then
+    see it changed: such calls keep their activations."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    return False
+
+
+def _reparametrized(block: nn.Module) -> bool:
+    """Whether the block runs with tensors in place of its parameters (``torch.func.functional_call``):
+    the recomputation, after the call, would run with the parameters instead."""
+    return any(p is not None and not isinstance(p, nn.Parameter) for m in block.modules() for p in m._parameters.values())
+
+
+def recompute_candidates(module: nn.Module) -> tuple[str, ...]:
+    """The blocks plan="auto" may recompute: those without persistent buffers (BatchNorm's running
+    statistics would be updated again by the recomputation)."""
+    modules = dict(module.named_modules())
+    return tuple(name for name in block_names(module)
+                 if not any(name_ not in m._non_persistent_buffers_set for m in modules[name].modules()
+                            for name_ in m._buffers))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,12 @@
 #            predicts 18.5 GiB for the all-device plan): the auto plan, Elixir's all-on-host plan, FSDP2
 #            with CPU offload, DeepSpeed ZeRO-3 offload, and DDP (expected to run out of memory);
 #   table    the offload benchmark's GPU table (not run by default);
+#   budgets  plan="auto" at tight budgets (not run by default; about 4 minutes): the GPT at 16, 20, 24
+#            and 32 GB and the Llama workload at 20 GB; every run must complete (a step that runs out of
+#            memory is recovered and logged), the table's peak against the plan's predicted peak in the logs;
+#   tight    recomputation and offload chosen together (not run by default; about 7 minutes): the GPT at
+#            16 GB and the Llama workload at 20 GB, auto against the all-on-host plan and the peers with
+#            activation checkpointing by hand ("+ac": DDP, FSDP2) and FSDP2 with CPU offload;
 #   host     the host cost of the step protocol (not run by default; about 7 minutes): the 80 GB
 #            comparison of DDP, Elixir's ZeRO-2, ZeRO-3 and auto plans and FSDP2, then DDP and the auto
 #            plan with every block compiled ("+compile"), then torch.profiler's table of the hooks of
@@ -56,8 +62,8 @@ cat "$out/machine.txt"
 build=$!
 pack
 
-harness() {  # name, seconds, budget, systems; the .log has each run's step time as it finishes
-  timeout "$2" "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
+harness() {  # name, seconds, budget, systems[, workload]; the .log has each run's step time as it finishes
+  timeout "$2" "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads "${5:-gpt}" \
     --budgets "$3" --systems "$4" --rounds 1 --warmup 2 --steps 5 --run-timeout 90 --logs "$out/logs" \
     --json "$out/harness_$1.json" --png "$out/harness_$1.png" > "$out/harness_$1.md" 2> "$out/harness_$1.log"
   cat "$out/harness_$1.log" "$out/harness_$1.md"
@@ -68,6 +74,12 @@ for part in ${*:-tests fits offload}; do
     tests) timeout 150 "$py" -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
     fits) harness fits 360 80GB elixir,elixir_zero2,elixir_zero3,ddp,fsdp2,deepspeed_zero2,deepspeed_zero3,fsdp ;;
     offload) harness offload 300 16GB elixir,elixir_offload,fsdp2_offload,ddp,deepspeed_zero3_offload ;;
+    budgets)
+      harness budgets_gpt 200 16GB,20GB,24GB,32GB elixir
+      harness budgets_llama 60 20GB elixir llama ;;
+    tight)
+      harness tight_gpt 230 16GB elixir,elixir_offload,ddp+ac,fsdp2+ac,fsdp2_offload
+      harness tight_llama 230 20GB elixir,elixir_offload,ddp+ac,fsdp2+ac,fsdp2_offload llama ;;
     table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
     host)
       harness host 300 80GB ddp,elixir_zero2,elixir,elixir_zero3,fsdp2
@@ -75,7 +87,7 @@ for part in ${*:-tests fits offload}; do
       timeout 100 "$py" examples/benchmarks/harness.py --accelerator gpu --devices 1 --size medium --workloads gpt \
         --budgets 80GB --profile elixir_zero2 --warmup 2 --profile-steps 3 --run-timeout 90 \
         > "$out/hooks_profile.md" 2>&1; cat "$out/hooks_profile.md" ;;
-    *) echo "unknown part $part (tests, fits, offload, table, host)" ;;
+    *) echo "unknown part $part (tests, fits, offload, budgets, tight, table, host)" ;;
   esac
   cp ~/.cache/lightning_elixir/*.json "$out/" 2> /dev/null  # the hardware profile plan="auto" measured
   pack

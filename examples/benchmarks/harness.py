@@ -57,7 +57,7 @@ sys.path.insert(0, ROOT)
 from examples.benchmarks.harness_rank import run_worker  # noqa: E402
 from examples.benchmarks.harness_report import report, status_cell  # noqa: E402
 from examples.benchmarks.harness_systems import (  # noqa: E402
-    COMPILED, ELIXIR_SYSTEMS, WORKLOADS, base_system, flops_per_token)
+    CHECKPOINTED, COMPILED, ELIXIR_SYSTEMS, WORKLOADS, base_system, flops_per_token)
 
 CPU_SYSTEMS = ("ddp", *ELIXIR_SYSTEMS, "fsdp2", "fsdp2_offload")
 GPU_SYSTEMS = (*CPU_SYSTEMS, "fsdp", "fsdp_offload", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload")
@@ -150,7 +150,8 @@ def _fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     unknown = [s for s in [*args.system_list, args.profile] if s and base_system(s) not in GPU_SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(GPU_SYSTEMS)}, each also with the suffix "
-                f"{COMPILED!r} (its transformer blocks compiled)")
+                f"{COMPILED!r} (its transformer blocks compiled) and {CHECKPOINTED!r} (activation checkpointing per "
+                "block, by hand)")
     if [w for w in args.workload_list if w not in WORKLOADS]:
         p.error(f"--workloads takes {', '.join(WORKLOADS)}, got {args.workloads!r}")
     if args.budgets and not gpu:

@@ -13,11 +13,16 @@ ELIXIR_SYSTEMS = ("elixir", "elixir_zero2", "elixir_zero3", "elixir_offload")
 COMPILED = "+compile"
 """A system's name with this suffix runs the same system with every transformer block compiled in place
 (``block.compile()``, as torchtitan does), e.g. "ddp+compile"."""
+CHECKPOINTED = "+ac"
+"""A system's name with this suffix runs the same system with the workload's own activation
+checkpointing per block switched on by hand (``activation_checkpointing=True``), e.g. "fsdp2+ac"."""
 
 
 def base_system(system: str) -> str:
-    """The system without its ``COMPILED`` suffix."""
-    return system.removesuffix(COMPILED)
+    """The system without its ``COMPILED`` and ``CHECKPOINTED`` suffixes (in either order)."""
+    for _ in range(2):
+        system = system.removesuffix(COMPILED).removesuffix(CHECKPOINTED)
+    return system
 WORKLOADS = {"gpt": "lightning_elixir.demos.gpt:GPTLightningModule", "llama": "lightning_elixir.demos.llama:LlamaLightningModule"}
 """Each workload's LightningModule ("module:class"), taking vocab_size, block_size, n_layer, n_head, n_embd."""
 
@@ -167,10 +172,13 @@ def build_module(args: argparse.Namespace) -> Any:
     """The workload's LightningModule, with the system's mixin when it has one."""
     path, _, name = WORKLOADS[args.workload].partition(":")
     base = getattr(importlib.import_module(path), name)
-    mixins = [CompiledBlocks] if args.worker.endswith(COMPILED) else []
+    suffixes = args.worker[len(base_system(args.worker)):]
+    mixins = [CompiledBlocks] if COMPILED in suffixes else []
     if base_system(args.worker) in MIXINS:
         mixins.append(MIXINS[base_system(args.worker)])
     cls = type("".join(m.__name__ for m in mixins) + base.__name__, (*mixins, base), {}) if mixins else base
     extra = {"n_kv_head": args.n_kv_head} if args.workload == "llama" and args.n_kv_head else {}
+    if CHECKPOINTED in suffixes:
+        extra["activation_checkpointing"] = True
     return cls(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                n_embd=args.n_embd, **extra)

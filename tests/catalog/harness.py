@@ -81,13 +81,17 @@ def one_param_per_chunk_plan(case: Any) -> Any:
 
 def shared_chunks_plan(case: Any) -> Any:
     """"zero3-shared": the default packing into small chunks that several modules share (1088 elements,
-    or the largest parameter), the fewest cache blocks, prefetch 2; explicit-plan private parameters."""
+    or the largest parameter), the fewest cache blocks, prefetch 2; explicit-plan private parameters; and
+    every block recomputed in backward ([Note: searched recomputation]), over the model's own
+    checkpointing where it has some."""
     from lightning_elixir import ElixirPlan
     from lightning_elixir.plan import round_up
+    from lightning_elixir.recompute import recompute_candidates
 
-    largest = max((p.numel() for p in _complete_module(case).parameters()), default=1)
+    model = _complete_module(case)
+    largest = max((p.numel() for p in model.parameters()), default=1)
     return ElixirPlan(chunk_numel=max(1088, round_up(largest, WORLD_SIZE)), cache_blocks="min", prefetch_depth=2,
-                      name="zero3-shared")
+                      name="zero3-shared", recompute=recompute_candidates(model))
 
 
 def make_strategy(name: str, case: Any, plan: Any) -> Any:
@@ -247,7 +251,8 @@ def _plan_of(strategy: Any) -> str:
     if planning is not None and planning.report is not None:  # a searched plan: how tight it runs
         w = planning.report.winner
         blocks = "all" if w.all_gathered else str(w.cache_blocks)
-        return f"auto (blocks {blocks}, {w.offloaded} of {w.chunks} chunks offloaded)"
+        recompute = f", {len(planning.plan.recompute)} blocks recomputed" if planning.plan.recompute else ""
+        return f"auto (blocks {blocks}, {w.offloaded} of {w.chunks} chunks offloaded{recompute})"
     plan = getattr(strategy, "plan", None)
     return getattr(planning.plan if planning is not None else plan, "name", "") if plan is not None else ""
 
