@@ -41,6 +41,7 @@ unchanged, as with ``oom_recovery=False``.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -55,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_elixir.plan import ElixirPlan
-from lightning_elixir.profile.preserved import _rng_states, _set_rng_states
+from lightning_elixir.profile.preserved import rng_states, set_rng_states
 from lightning_elixir.runtime.collectives import Group, StepAbandoned
 from lightning_elixir.runtime.emulated import EmulatedOutOfMemoryError
 from lightning_elixir.search.errors import NoPlanFitsError
@@ -112,10 +113,10 @@ class StepSnapshot:
         if results is not None:
             kept = (results, {key: (value, [_metric_state(m) for m in _result_metrics(value)])
                               for key, value in results.items()})
-        return cls(_rng_states(cuda), buffers, metrics, kept)
+        return cls(rng_states(cuda, every_device=False), buffers, metrics, kept)
 
     def restore(self) -> None:
-        _set_rng_states(self.rng)
+        set_rng_states(self.rng)
         with torch.no_grad():
             for module, name, value in self.buffers:
                 current = module._buffers.get(name)
@@ -245,6 +246,9 @@ class OutOfMemoryRecovery:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if err.__traceback__ is not None:
             traceback.clear_frames(err.__traceback__)  # the failed attempt's activations go now
+        gc.collect()  # and what cycles still held of them
+        if runtime.device.type == "cuda":  # the allocator's cached blocks back, unfragmented, for the switch and redo
+            torch.cuda.empty_cache()
         landed = runtime.grads.reductions.retired != self._retired_at_begin
         if redoable is None and self.carries_grads and landed:
             redoable = ("some of this micro-batch's gradients were already added to those of the earlier "

@@ -27,11 +27,11 @@ def preserved_rng(cuda: bool = False) -> Iterator[None]:
     and the CUDA generators when ``cuda`` is set or CUDA is already initialised (reading them
     otherwise would initialise CUDA in a CPU-only run).
     """
-    states = _rng_states(cuda)
+    states = rng_states(cuda)
     try:
         yield
     finally:
-        _set_rng_states(states)
+        set_rng_states(states)
 
 
 @contextlib.contextmanager
@@ -122,11 +122,15 @@ def _refill(container: Any, items: list[Any]) -> None:
         container.extend(items)
 
 
-def _rng_states(cuda: bool) -> dict[str, Any]:
-    """The global generators' states (see ``preserved_rng``)."""
+def rng_states(cuda: bool, every_device: bool = True) -> dict[str, Any]:
+    """The global generators' states (see ``preserved_rng``); of the CUDA generators every device's, or
+    the current device's only (``every_device=False``: what one rank's step draws from)."""
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and (cuda or torch.cuda.is_initialized()):
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        if every_device:
+            states["cuda"] = torch.cuda.get_rng_state_all()
+        else:
+            states["cuda_current"] = (torch.cuda.current_device(), torch.cuda.get_rng_state())
     try:
         import numpy as np
     except ImportError:  # numpy is optional for torch
@@ -135,12 +139,15 @@ def _rng_states(cuda: bool) -> dict[str, Any]:
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what ``_rng_states`` recorded."""
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what ``rng_states`` recorded."""
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
+    if "cuda_current" in states:
+        device, state = states["cuda_current"]
+        torch.cuda.set_rng_state(state, device)
     if "numpy" in states:
         import numpy as np
 
