@@ -580,7 +580,7 @@ class ElixirStrategy(ParallelStrategy):
     def _counting(self) -> Generator[None, None, None]:
         """Inside an emulated device budget ([Note: emulated device memory]), count the step's memory."""
         memory = emulated.active()
-        if memory is None or self.runtime is None:
+        if memory is None or self.runtime is None or memory.counting_now:  # a backward inside a training_step
             yield
             return
         step = self.runtime.steps + self.runtime.skipped_steps + 1

@@ -61,6 +61,7 @@ class EmulatedDeviceMemory:
         self._limit: Optional[int] = None
         self._sizes: dict[int, int] = {}
         self._generation = 0
+        self._open = 0
         self._lock = threading.Lock()
 
     def limit_at(self, step: int) -> int:
@@ -77,11 +78,20 @@ class EmulatedDeviceMemory:
             self.peak = self.baseline
             self._limit = self.limit_at(step) if self.ranks is None or rank in self.ranks else None
 
+    @property
+    def counting_now(self) -> bool:
+        """Whether a ``counting`` block is open."""
+        return self._open > 0
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
         """Count (and bound) the storages that operators create inside the block."""
-        with _Counter(self):
-            yield
+        self._open += 1
+        try:
+            with _Counter(self):
+                yield
+        finally:
+            self._open -= 1
 
     def _created(self, storage: Any) -> None:
         nbytes = storage.nbytes()
