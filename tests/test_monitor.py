@@ -125,10 +125,12 @@ def _readme_tags() -> set[str]:
     return tags
 
 
-CONDITIONAL = {  # logged only on CUDA, or only when the self-correction calibrated: named in the source instead
+CONDITIONAL = {  # logged only on CUDA, only when the self-correction calibrated, or only after a recovery from
+    # out of memory (tests/test_oom_recovery.py): named in the source instead
     "elixir/memory/device_peak_mib", "elixir/calibration/compute_scale", "elixir/calibration/bandwidth_scale",
     "elixir/calibration/optimizer_scale", "elixir/calibration/host_update_scale",
-    "elixir/calibration/calibrated_step_ms",
+    "elixir/calibration/calibrated_step_ms", "elixir/recovery/count", "elixir/recovery/overshoot_mib",
+    "elixir/recovery/budget_mib", "elixir/recovery",
 }
 
 

@@ -23,8 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir import ElixirMonitor, ElixirPlan, ElixirStrategy
 from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir.recovery import ElixirOutOfMemoryError
 from lightning_elixir.runtime.emulated import active, emulated_device_memory
@@ -125,10 +126,12 @@ def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: 
     run.mkdir(parents=True, exist_ok=True)
     strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+    logger = TensorBoardLogger(run, name="tb", version=0) if limit is not None else False
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=logger,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, default_root_dir=run,
-                        callbacks=[Record(run)] + ([SwitchAfter(switch_after)] if switch_after else []))
+                        callbacks=[Record(run), ElixirMonitor(figure=False)]
+                        + ([SwitchAfter(switch_after)] if switch_after else []))
     model = ManualDropoutGPT() if manual else DropoutGPT(checkpointing)
     try:
         if limit is None:
@@ -209,6 +212,17 @@ def test_a_step_that_runs_out_of_memory_is_redone_under_a_smaller_plan(runs, nam
     if name == "accumulating":
         assert len(attempts) == 2 and {a[0] for a in attempts} == {3}
     assert_same_training(runs / name, runs / f"{name}_reference")
+
+
+def test_a_recovery_is_logged(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs / "step1" / "tb" / "version_0"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"elixir/recovery/count", "elixir/recovery/overshoot_mib", "elixir/recovery/budget_mib"} <= scalars
+    assert events.Scalars("elixir/recovery/count")[-1].value == len(result(runs / "step1")["attempts"])
+    assert any(t.startswith("elixir/recovery") for t in events.Tags()["tensors"])
 
 
 def test_a_step_that_keeps_running_out_of_memory_ends_with_a_clear_error(runs):
