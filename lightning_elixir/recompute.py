@@ -15,7 +15,9 @@ trace) is left as it is. A call of a block whose arguments include an object oth
 and plain values (a key-value cache the call appends to) runs without recomputation: the
 recomputation would see the object as the call left it; so does a call under
 ``torch.func.functional_call`` (tensors in place of the parameters, gone by the time of the
-recomputation).
+recomputation), and a call inside code that ``torch.compile`` compiles (the generator that opens
+and closes the region is not something Dynamo traces through; compiled blocks are not candidates,
+and a block inside a compiled function keeps its activations).
 
 The runtime applies it as PyTorch's composable checkpointing does: a forward pre-hook on the block
 opens a non-reentrant checkpoint region and its forward hook closes it, so parameter names, the
@@ -56,7 +58,8 @@ class Recomputation:
         state = _BlockState()
 
         def open_region(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if state.enabled and _plain((args, kwargs)) and not _reparametrized(mod):
+            if state.enabled and not torch.compiler.is_compiling() and _plain((args, kwargs)) \
+                    and not _reparametrized(mod):
                 region = _checkpoint._checkpoint_without_reentrant_generator(
                     mod, True, lambda: (contextlib.nullcontext(), state), "default", False, True, *args, **kwargs)
                 next(region)
@@ -114,11 +117,12 @@ def _reparametrized(block: nn.Module) -> bool:
 
 def recompute_candidates(module: nn.Module) -> tuple[str, ...]:
     """The blocks plan="auto" may recompute: those without persistent buffers (BatchNorm's running
-    statistics would be updated again by the recomputation)."""
+    statistics would be updated again by the recomputation) and not compiled (``block.compile()``)."""
     modules = dict(module.named_modules())
     return tuple(name for name in block_names(module)
-                 if not any(name_ not in m._non_persistent_buffers_set for m in modules[name].modules()
-                            for name_ in m._buffers))
+                 if getattr(modules[name], "_compiled_call_impl", None) is None
+                 and not any(name_ not in m._non_persistent_buffers_set for m in modules[name].modules()
+                             for name_ in m._buffers))
 
 
 @contextlib.contextmanager
