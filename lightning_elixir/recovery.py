@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 MARGIN = 0.02
 """Besides the overshoot, the budget is lowered by this fraction of it at each recovery."""
 _KEY = "elixir/oom"
+_NOT_SEARCHED = "the plan was not searched (given by the user, or the untraced fallback), so there is none to shrink"
+"""Why not, when the running plan is the untraced fallback: its error propagates unchanged."""
 
 
 class ElixirOutOfMemoryError(torch.OutOfMemoryError):
@@ -254,7 +256,7 @@ class OutOfMemoryRecovery:
             redoable = ("some of this micro-batch's gradients were already added to those of the earlier "
                         "micro-batches of the optimizer step, and the sums cannot be taken apart")
         if redoable is None and strategy.planning_for_recovery() is None:
-            redoable = "the plan was not searched (given by the user, or the untraced fallback), so there is none to shrink"
+            redoable = _NOT_SEARCHED
         own = {"rank": group.rank, "ran_out": not isinstance(err, StepAbandoned), "overshoot": overshoot,
                "why_not": redoable, "message": message}
         facts = self._agree(own, group)
@@ -265,7 +267,7 @@ class OutOfMemoryRecovery:
         worst = max((f["overshoot"] for f in ran_out), default=0)
         why_not = next((f["why_not"] for f in facts if f["why_not"]), None)
         if why_not is not None:
-            if isinstance(err, torch.OutOfMemoryError) and "plan was not searched" in why_not:
+            if isinstance(err, torch.OutOfMemoryError) and why_not == _NOT_SEARCHED:
                 raise err  # unchanged, as without recovery
             raise ElixirOutOfMemoryError(self._explain(ran_out, why_not, strategy)) from err
         planning = strategy.planning_for_recovery()

@@ -571,10 +571,8 @@ class ElixirStrategy(ParallelStrategy):
         assert self.recovery is not None
         trainer = self.lightning_module.trainer
         self._counted_step = None
-        if self.runtime is not None:
-            self.runtime.updating = False
         self.recovery.recover(err, self, trainer.global_step + 1, where, redoable=why_not)
-        self.monitor(trainer).log_recovery(trainer, self.recovery.attempts[-1], describe_runtime(self.runtime))
+        self.monitor(trainer).log_recovery(trainer, self.recovery.attempts[-1], self.describe_running())
 
     @contextmanager
     def _counting(self) -> Generator[None, None, None]:

@@ -55,8 +55,20 @@ class DropoutGPT(L.LightningModule):
         self.log("mean_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
         return loss
 
+    oom_in_update = 0
+    """The optimizer step whose update raises torch.OutOfMemoryError (0: none)."""
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.oom_in_update:
+            steps = []
+
+            def run_out(*_) -> None:  # inside optimizer.step(): the update has begun
+                steps.append(1)
+                if len(steps) == self.oom_in_update:
+                    raise torch.OutOfMemoryError("out of memory in the update (raised by the test)")
+
+            optimizer.register_step_pre_hook(run_out)
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -122,7 +134,8 @@ class SwitchAfter(Callback):
 
 
 def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
-        recovery: bool = True, switch_after: int = 0, manual: bool = False, checkpointing: bool = False) -> None:
+        recovery: bool = True, switch_after: int = 0, manual: bool = False, checkpointing: bool = False,
+        oom_in_update: int = 0) -> None:
     run.mkdir(parents=True, exist_ok=True)
     strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
@@ -133,6 +146,7 @@ def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: 
                         callbacks=[Record(run), ElixirMonitor(figure=False)]
                         + ([SwitchAfter(switch_after)] if switch_after else []))
     model = ManualDropoutGPT() if manual else DropoutGPT(checkpointing)
+    model.oom_in_update = oom_in_update
     try:
         if limit is None:
             trainer.fit(model)
@@ -185,7 +199,8 @@ def runs(tmp_path_factory) -> Path:
     fits = [(root / name, "auto", limit, ranks, STEPS, accumulate, True, switch, manual)
             for name, (limit, ranks, accumulate, switch, manual) in RECOVERED.items()]
     fits += [(root / "repeated", "auto", {1: 150_000}, None, 2),
-             (root / "off", "auto", {1: TIGHT}, None, 2, 1, False)]
+             (root / "off", "auto", {1: TIGHT}, None, 2, 1, False),
+             (root / "in_update", "auto", {1: ROOMY}, None, 3, 1, True, 0, False, False, 2)]
     fit_on_ranks(2, fits, fit_fn=fit)
     references = []
     for name, (_, _, accumulate, _, manual) in RECOVERED.items():
@@ -231,6 +246,14 @@ def test_a_step_that_keeps_running_out_of_memory_ends_with_a_clear_error(runs):
         assert text.startswith("ElixirOutOfMemoryError") or text.startswith("NoPlanFitsError"), text
         assert "ran out of device memory" in text or "no plan fits" in text.lower(), text
         assert "To fit:" in text or "What would help" in text, text
+
+
+def test_an_update_that_ran_out_of_memory_is_not_redone(runs):
+    """The update may be partly applied: redoing it would apply part of it twice."""
+    for rank in (0, 1):
+        text = (runs / "in_update" / f"error{rank}.txt").read_text()
+        assert text.startswith("ElixirOutOfMemoryError"), text
+        assert "the optimizer's update had begun and may be partly applied" in text, text
 
 
 def test_without_recovery_the_out_of_memory_error_propagates_unchanged(runs):

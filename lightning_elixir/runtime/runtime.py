@@ -126,7 +126,8 @@ class ElixirRuntime:
         self.steps = 0
         self.skipped_steps = 0
         self.updating = False
-        """Inside the optimizer's update (``stepping``, after the agreement on unused gradients)."""
+        """Inside the optimizer's update (``stepping``, after the agreement on unused gradients), or left
+        by an error raised there: the masters may be partly updated."""
         self.companions: dict[str, list[torch.Tensor]] = {}
         """Sharded tensors of the masters' layout that others keep, by name ([Note: companion shards])."""
 
@@ -289,13 +290,13 @@ class ElixirRuntime:
         with self.clock.timing("optimizer"):
             self.before_step()
             self.grads.settle_unused(optimizer, self.group, self.device)
-            self.updating = True  # from here on the update may be partly applied
+            self.updating = True  # from here on the update may be partly applied; an error leaves it set
             hidden = self.offload.launch(optimizer)
             try:
                 yield
             finally:
                 self.offload.restore(hidden)
-                self.updating = False
+            self.updating = False
             self.after_step(stepped=True)
 
     def after_step(self, stepped: bool = True) -> None:
