@@ -113,7 +113,8 @@ class Record(Callback):
         out = {"rows": self.rows, "plan": strategy.runtime.plan.to_dict(),
                "mean_loss": float(trainer.callback_metrics["mean_loss"]),
                "attempts": [] if recovery is None else [[a.step, a.where, list(a.ranks)] for a in recovery.attempts],
-               "adam_steps": sorted({int(s["step"]) for s in trainer.optimizers[0].state.values() if "step" in s})}
+               "adam_steps": sorted({int(s["step"]) for view, s in trainer.optimizers[0].state.items()  # views this
+                                     if "step" in s and view.numel() > 0})}  # rank updates: the rest are agreed on reads
         (self.run / f"rank{rank}.json").write_text(json.dumps(out))
         if rank == 0:
             torch.save(weights, self.run / "weights.pt")

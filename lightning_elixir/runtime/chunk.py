@@ -422,6 +422,16 @@ class Chunk:
         end = min(slot.end, self.shard_begin + self.shard_numel) - self.shard_begin
         return begin, max(begin, end)
 
+    def elsewhere(self, slot: Slot) -> bool:
+        """Whether other ranks own all of ``slot`` and this rank none ([Note: shard views held elsewhere]
+        in optim.py)."""
+        begin, end = self.shard_range(slot)
+        return slot.numel > 0 and begin == end
+
+    def owner(self, slot: Slot) -> int:
+        """The rank that owns ``slot``'s first element (its optimizer scalars are the ones kept)."""
+        return slot.offset // self.shard_numel if self.shard_numel else 0
+
     def refresh_shard(self) -> None:
         """Copy the updated master shard into the compute-dtype shard that gets gathered."""
         if self.master is not self.shard:

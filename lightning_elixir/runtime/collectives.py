@@ -424,6 +424,15 @@ def _diverged_message(group: Group, what: str) -> str:
             "so ranks may skip them. Or run the module on every rank and mask its output.")
 
 
+def all_gather_objects(obj: Any, group: Group) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    if group.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` with rank ``src``'s copy (``src`` is a rank of the group)."""
     if group.world_size > 1:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -59,6 +59,7 @@ class GradientFlow:
         self.reductions = Reductions(table.chunks, offload, table.chunk_views)
         self.hyperparameters_differ = False
         """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
+        self._elsewhere: Optional[frozenset[int]] = None
 
     def arrived(self, chunk: Chunk, pid: int) -> None:
         """A parameter of ``chunk`` has its gradient: start the reductions that are ready now."""
@@ -104,6 +105,14 @@ class GradientFlow:
     def rebuild(self) -> None:
         """The table's chunks changed (the module was detached from them)."""
         self.reductions = Reductions(self.table.chunks, self.offload, self.table.chunk_views)
+        self._elsewhere = None
+
+    @property
+    def elsewhere(self) -> frozenset[int]:
+        """ids of the parameters whose shard views are held elsewhere ([Note: shard views held elsewhere])."""
+        if self._elsewhere is None:
+            self._elsewhere = frozenset(id(s.param) for c in self.table.chunks for s in c.slots if c.elsewhere(s))
+        return self._elsewhere
 
     def settle_unused(self, optimizer: Any, group: Group, device: torch.device) -> None:
         """Set to None the gradients of ``optimizer``'s shard views whose parameter no rank used
@@ -128,8 +137,11 @@ class GradientFlow:
                         "updates its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) "
                         "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", group.rank,
                         groups)
-        for (_, view), anywhere in zip(pairs, used):
-            if not anywhere:
+        elsewhere, state = self.elsewhere, optimizer.state
+        for (pid, view), anywhere in zip(pairs, used):
+            if pid in elsewhere:  # stepped only until the optimizer made its state ([Note: shard views held elsewhere])
+                view.grad = view.new_empty(0) if anywhere and not state.get(view) else None
+            elif not anywhere:
                 view.grad = None
 
 

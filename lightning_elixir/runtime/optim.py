@@ -7,6 +7,19 @@ master shard (empty when the rank owns none of it); the view's ``.grad`` is the 
 the reduced gradient shard. Element-wise optimizers then compute exactly what they would on the
 full tensor, group hyperparameters (lr, weight_decay, betas) apply unchanged, and the optimizer's
 state dict keeps one entry per original parameter, in the original order.
+
+[Note: shard views held elsewhere]
+With more than one rank most parameters lie wholly in other ranks' shards (7 of 8 on 8 ranks), so
+most of a rank's views are empty. Stepping an empty view changes no element, yet costs what a full
+one costs on the host: torch's optimizers do their per-tensor Python work (state look-up, grouping,
+a dozen calls on CPU) for each. So an empty view whose parameter has elements elsewhere gets no
+gradient (the optimizer skips it), except on the step where its parameter first trains, which makes
+its state (empty per-element tensors and the scalars) exactly as on the owners. From then on only
+the scalars differ: ``step`` counts on the ranks that own elements and stays where it was here.
+Scalars are read across ranks only where the state is written or moved (a sharded save, a full
+state dict, a plan switch), and those first give every view held elsewhere the scalars of the rank
+that owns its first element (``state_dict.agree_scalar_state``, one object all-gather). A
+parameter with no elements at all is stepped as before: no rank owns it.
 """
 
 from __future__ import annotations

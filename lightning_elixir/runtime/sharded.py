@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from lightning_elixir.runtime.chunk import Chunk, Slot
-from lightning_elixir.runtime.state_dict import is_per_element, optimizer_views
+from lightning_elixir.runtime.state_dict import agree_scalar_state, is_per_element, optimizer_views
 
 META_FILE = "elixir_meta.pt"
 DCP_METADATA = ".metadata"
@@ -118,6 +118,8 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
     """
     path = os.fspath(path)
     runtime.offload.settle()
+    for optimizer in optimizers:
+        agree_scalar_state(runtime, optimizer)
     states = [optimizer.state_dict() for optimizer in optimizers]  # live per-parameter dicts (NVMe binds into them)
     entries = [optimizer_views(runtime, optimizer) for optimizer in optimizers]
     tensors: dict[str, Any] = {}

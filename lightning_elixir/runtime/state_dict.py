@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
+from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.full_file import DeferredTensor, Gathered, Records, deferred_in
 
@@ -145,9 +146,35 @@ class ChunkOptimizerState:
     """Per-element state keys (``exp_avg``, ...), gathered; the rest (``step``) is copied."""
 
 
+def agree_scalar_state(runtime, optimizer: Optimizer) -> None:
+    """Give each shard view held elsewhere its owner's scalar optimizer state (``step``); every rank
+    calls it, before the state is read across ranks ([Note: shard views held elsewhere] in optim.py)."""
+    if runtime.group.world_size == 1:
+        return
+    entries = optimizer_views(runtime, optimizer)
+    rank, state = runtime.group.rank, optimizer.state
+    own = {i: {k: detached(v) for k, v in state[view].items() if not is_per_element(k, v, view.shape)}
+           for i, (chunk, slot, view) in enumerate(entries)
+           if state.get(view) and not chunk.elsewhere(slot) and chunk.owner(slot) == rank}
+    owned: dict[int, dict[str, Any]] = {}
+    for part in collectives.all_gather_objects(own, runtime.group):
+        owned.update(part)
+    for i, (chunk, slot, view) in enumerate(entries):
+        values = state.get(view)
+        if not values or i not in owned or not chunk.elsewhere(slot):
+            continue
+        for key, value in owned[i].items():
+            current = values.get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
+                current.copy_(value)
+            else:
+                values[key] = value
+
+
 def optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], list[ChunkOptimizerState]]:
     """The optimizer's sharded state dict and, per chunk, what of it is gathered."""
     runtime.offload.settle()
+    agree_scalar_state(runtime, optimizer)
     sharded = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own (NVMe chunks bind into them)
     entries = optimizer_views(runtime, optimizer)
     layout = []
