@@ -137,12 +137,27 @@ class GradientFlow:
                         "updates its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) "
                         "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", group.rank,
                         groups)
-        elsewhere, state = self.elsewhere, optimizer.state
-        for (pid, view), anywhere in zip(pairs, used):
-            if pid in elsewhere:  # stepped only until the optimizer made its state ([Note: shard views held elsewhere])
-                view.grad = view.new_empty(0) if anywhere and not state.get(view) else None
-            elif not anywhere:
+        for (_, view), anywhere in zip(pairs, used):
+            if not anywhere:
                 view.grad = None
+
+    def hide_elsewhere(self, optimizer: Any) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Hide from ``optimizer``'s step the (empty) gradients of its views held elsewhere that have their
+        state already ([Note: shard views held elsewhere] in optim.py); ``restore_hidden`` puts them back.
+
+        They keep their gradient between steps: ``_accumulates`` in reductions.py reads zero_grad's
+        ``None`` on them, also where a rank holds nothing else of a chunk."""
+        views, state = self.table.views, optimizer.state
+        hidden = [(view, view.grad) for view in (views.get(pid) for pid in self.elsewhere)
+                  if view is not None and view.grad is not None and state.get(view)]
+        for view, _ in hidden:
+            view.grad = None
+        return hidden
+
+    @staticmethod
+    def restore_hidden(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        for view, grad in hidden:
+            view.grad = grad
 
 
 def _hyperparameter_print(optimizer: Any) -> float:

@@ -12,10 +12,13 @@ state dict keeps one entry per original parameter, in the original order.
 With more than one rank most parameters lie wholly in other ranks' shards (7 of 8 on 8 ranks), so
 most of a rank's views are empty. Stepping an empty view changes no element, yet costs what a full
 one costs on the host: torch's optimizers do their per-tensor Python work (state look-up, grouping,
-a dozen calls on CPU) for each. So an empty view whose parameter has elements elsewhere gets no
-gradient (the optimizer skips it), except on the step where its parameter first trains, which makes
-its state (empty per-element tensors and the scalars) exactly as on the owners. From then on only
-the scalars differ: ``step`` counts on the ranks that own elements and stays where it was here.
+a dozen calls on CPU) for each. So the optimizer's step does not see the (empty) gradient of a view
+whose parameter has elements elsewhere (``GradientFlow.hide_elsewhere``, as offloaded chunks' are
+hidden), except on the step where its parameter first trains, which makes its state (empty
+per-element tensors and the scalars) exactly as on the owners. The view keeps its gradient outside
+the step, so zero_grad still tells the reductions to overwrite rather than add (reductions.py).
+From then on only the scalars differ: ``step`` counts on the ranks that own elements and stays
+where it was here.
 Scalars are read across ranks only where the state is written or moved (a sharded save, a full
 state dict, a plan switch), and those first give every view held elsewhere the scalars of the rank
 that owns its first element (``state_dict.agree_scalar_state``, one object all-gather). A

@@ -124,7 +124,6 @@ class Reductions:
     def _targets(self, chunk: Chunk) -> list[tuple[nn.Parameter, torch.Tensor]]:
         targets = self._grad_targets.get(chunk.index)
         if targets is None:
-            targets = self._grad_targets[chunk.index] = [  # not views held elsewhere: settle_unused sets theirs
-                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))]) for slot, view in self.views(chunk)
-                if not chunk.elsewhere(slot)]
+            targets = self._grad_targets[chunk.index] = [
+                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))]) for slot, view in self.views(chunk)]
         return targets

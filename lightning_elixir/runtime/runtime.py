@@ -291,11 +291,13 @@ class ElixirRuntime:
             self.before_step()
             self.grads.settle_unused(optimizer, self.group, self.device)
             self.updating = True  # from here on the update may be partly applied; an error leaves it set
+            elsewhere = self.grads.hide_elsewhere(optimizer)
             hidden = self.offload.launch(optimizer)
             try:
                 yield
             finally:
                 self.offload.restore(hidden)
+                self.grads.restore_hidden(elsewhere)
             self.updating = False
             self.after_step(stepped=True)
 
