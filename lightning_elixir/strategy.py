@@ -24,7 +24,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer import call
@@ -33,6 +33,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -67,6 +68,12 @@ log = logging.getLogger(__name__)
 
 _SHARDED_LOADED = "_elixir_sharded_loaded"
 """Marks a checkpoint dict whose model and optimizer state ``load_checkpoint`` already loaded from shards."""
+
+
+_BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step",
+                              "configure_gradient_clipping", "optimizer_step")
+"""LightningModule hooks that run between a backward and its optimizer step, around both, or run the
+backward itself (``retain_graph``: a second backward would read parameters already updated)."""
 
 
 def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:
@@ -161,6 +168,14 @@ class ElixirStrategy(ParallelStrategy):
             times in a row; [Note: recovering from out of memory] in recovery.py). False: the error
             propagates unchanged. With several ranks the runtime then issues its collectives on a
             process group of its own, so that one abandoned step leaves Lightning's group clean.
+        updates_in_backward: start an offloaded chunk's optimizer update as soon as its gradient is
+            final, overlapping the rest of backward, when nothing between backward and the step can
+            change the update: automatic optimization at the end of accumulation, no gradient clipping,
+            no fp16 loss scaling, no graph from ``torch.autograd.grad(create_graph=True)`` in the step,
+            no ``backward``/``on_after_backward``/``on_before_optimizer_step``/
+            ``configure_gradient_clipping``/``optimizer_step`` override (otherwise the update starts at
+            the step; [Note: updates started in backward] in runtime/offload.py). Results are the same
+            either way. False: always at the step.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -184,7 +199,9 @@ class ElixirStrategy(ParallelStrategy):
                  nvme_path: Union[str, os.PathLike, None] = None,
                  host_memory_limit: Union[int, float, str, None] = None,
                  state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
-                 replan: Union[bool, SelfCorrection] = True, oom_recovery: bool = True, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 replan: Union[bool, SelfCorrection] = True, oom_recovery: bool = True,
+                 updates_in_backward: bool = True, accelerator: Any = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
@@ -237,11 +254,12 @@ class ElixirStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
-                            ("oom_recovery", oom_recovery)):
+                            ("oom_recovery", oom_recovery), ("updates_in_backward", updates_in_backward)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
+        self.updates_in_backward = updates_in_backward
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
         if not isinstance(replan, (bool, SelfCorrection)):
@@ -408,7 +426,9 @@ class ElixirStrategy(ParallelStrategy):
         ``plan`` was searched for, when it is not the first search's (a recovery lowered it)."""
         assert self.runtime is not None
         self._recompute(plan)
+        accumulating = self.runtime.protocol.accumulating  # a switch between micro-batches: still inside no_sync
         self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
+        self.runtime.protocol.accumulating = accumulating
         self.precision_plugin.runtime = self.runtime
         self._runtime_group = self.runtime.group if self._runtime_group is not None else None
         if self.planner is not None:
@@ -526,19 +546,20 @@ class ElixirStrategy(ParallelStrategy):
             except Exception as err:
                 if not recoverable_error(err):
                     raise
-                stepped = self.runtime.updating or self.runtime.steps + self.runtime.skipped_steps != steps
+                stepped = (self.runtime.updating or self.runtime.offload.started_early
+                           or self.runtime.steps + self.runtime.skipped_steps != steps)
                 self._recover(err, "training_step", "an optimizer already stepped in this training_step (manual "
                                                     "optimization), and its update cannot be undone" if stepped else None)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self.recovery is None or not self.lightning_module.automatic_optimization:
-            with self._counting():  # under manual optimization the training_step recovers
+            with self._counting(), self._updates_may_start():  # under manual optimization the training_step recovers
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = self.lightning_module.trainer
         while True:
             try:
-                with self._counting():
+                with self._counting(), self._updates_may_start():
                     return super().backward(closure_loss, optimizer, *args, **kwargs)
             except Exception as err:
                 if not recoverable_error(err):
@@ -546,7 +567,7 @@ class ElixirStrategy(ParallelStrategy):
                 with contextlib.suppress(RuntimeError):
                     closure_loss.detach_()  # the failed backward's graph (and its activations) goes
                 del closure_loss
-                self._recover(err, "backward", None)
+                self._recover(err, "backward", self._update_begun())
                 # Redo the micro-batch's forward (it recovers on its own) and continue with its loss, as the closure does.
                 args_, kwargs_ = self._step_args
                 output = call._call_strategy_hook(trainer, "training_step", *args_, **kwargs_)
@@ -562,8 +583,42 @@ class ElixirStrategy(ParallelStrategy):
             except Exception as err:
                 if not recoverable_error(err):
                     raise
-                self._recover(err, "optimizer step", "the optimizer's update had begun and may be partly applied"
-                              if self.runtime is not None and self.runtime.updating else None)
+                self._recover(err, "optimizer step", self._update_begun())
+
+    def _update_begun(self) -> Optional[str]:
+        """Why the step cannot be redone: an update began (in the step, or an offloaded one in backward)."""
+        runtime = self.runtime
+        if runtime is not None and (runtime.updating or runtime.offload.started_early):
+            return "the optimizer's update had begun and may be partly applied"
+        return None
+
+    @contextmanager
+    def _updates_may_start(self) -> Generator[None, None, None]:
+        """Around a backward: let offloaded chunks start their updates in it when nothing between it and
+        the step can change them ([Note: updates started in backward] in runtime/offload.py)."""
+        runtime = self.runtime
+        if runtime is None or not runtime.offload.chunks or not self.updates_in_backward:
+            yield
+            return
+        runtime.offload.early = self._nothing_between_backward_and_step(runtime)
+        try:
+            yield
+        finally:
+            runtime.offload.early = False
+
+    def _nothing_between_backward_and_step(self, runtime: ElixirRuntime) -> bool:
+        module = self.lightning_module
+        trainer = module.trainer
+        if not module.automatic_optimization or runtime.protocol.accumulating or runtime.protocol.holds_graphs:
+            return False  # holds_graphs: this backward goes through a graph torch.autograd.grad made
+        if runtime.scaler is not None or getattr(self.precision_plugin, "scaler", None) is not None:
+            return False  # fp16: the step may be skipped
+        if trainer.gradient_clip_val:
+            return False
+        if any(is_overridden(name, module) for name in _BETWEEN_BACKWARD_AND_STEP):
+            return False
+        return not any(is_overridden(name, callback, Callback) for callback in trainer.callbacks
+                       for name in ("on_after_backward", "on_before_optimizer_step"))
 
     def _recover(self, err: BaseException, where: str, why_not: Optional[str]) -> None:
         """Every rank: give up the step, shrink the plan, put the micro-batch's state back ([Note: recovering
@@ -626,15 +681,15 @@ class ElixirStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """A micro-batch that accumulates: like DDP's ``no_sync``, the forward after it broadcasts no
         buffers. Its gradients are reduce-scattered as always (each rank keeps only its shard)."""
-        protocol = self.runtime.protocol if self.runtime is not None else None
-        if protocol is None:
+        if self.runtime is None:
             yield
             return
-        protocol.accumulating = True
+        self.runtime.protocol.accumulating = True
         try:
             yield
-        finally:
-            protocol.accumulating = False
+        finally:  # the runtime's, also after a recovery switched plans inside the block
+            if self.runtime is not None:
+                self.runtime.protocol.accumulating = False
 
     @contextmanager
     def gathered_params(self, params: Optional[Iterable[torch.nn.Parameter]] = None,

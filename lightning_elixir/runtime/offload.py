@@ -20,11 +20,36 @@ gather waits for that chunk only (``Chunk.settle``), so the update hides behind 
 the loop's bookkeeping and the next forward up to the chunk's first use. The offloaded chunks are
 the ones reduced first in backward, which are the ones the forward needs last.
 
-Exact semantics: the update starts only once the step is taken, after gradient clipping, the fp16
-overflow decision, ``on_before_optimizer_step`` hooks and with the hyperparameters of that moment
-(an LR scheduler that steps afterwards does not reach it). Nothing is speculative and nothing is
-rolled back; the price is that the update cannot overlap the backward that produced the
-gradients, only what follows it.
+Exact semantics: the update uses the gradients and hyperparameters the step would use, after
+gradient clipping, the fp16 overflow decision and ``on_before_optimizer_step`` hooks (an LR
+scheduler that steps afterwards does not reach it). Nothing is speculative and nothing is rolled
+back. By default it starts when the step is taken; see [Note: updates started in backward] for
+when it starts earlier.
+
+[Note: updates started in backward]
+A chunk's gradient is final once its reduction retires, often long before the backward ends: the
+offloaded chunks are reduced first. When nothing between that moment and the optimizer step can
+change what the update computes, the chunk's update starts on the worker at once
+(``OffloadEngine.landed``), overlapping the rest of the backward, as the step's own launch would
+have, only earlier. What could change it is global: clipping by norm reads every gradient, the
+fp16 overflow check may skip the step, a later micro-batch adds to the gradient, and user code
+between backward and step (``on_after_backward``, ``on_before_optimizer_step``,
+``configure_gradient_clipping``, an overridden ``optimizer_step``, manual optimization) may read or
+change gradients or hyperparameters, and an overridden ``backward`` may keep the graph for a second
+backward, which would read parameters already updated. A backward through a graph that
+``torch.autograd.grad(..., create_graph=True)`` built earlier in the step (a penalty on gradients)
+reads a parameter's value after its gradient is complete: the gradient of another parameter's
+gradient needs it (the catalog's gradient-norm penalty showed it). So the strategy allows it (``OffloadEngine.early``) only for
+a backward under automatic optimization that ends its accumulation, with no gradient clipping, no
+fp16 scaler, no graph kept from such an earlier backward (``StepProtocol.holds_graphs``), and none
+of those hooks overridden by the module or a callback; otherwise the
+update waits for the step: the runtime holds rather than speculates. Per chunk, it starts only when
+every trainable parameter of the chunk got its gradient on this rank in this backward, so that no
+parameter can turn out unused at the step ([Note: unused parameters] in grads.py), and only for
+chunks in host memory (NVMe chunks keep the step's read-ahead). The started chunks' gradients are
+hidden from the user's views until the step has run, as the step's own launch hides them, and the
+step checks that the hyperparameters it would have used are the ones the update used (it warns if
+not: code the strategy could not see changed them).
 """
 
 from __future__ import annotations
@@ -128,6 +153,14 @@ class OffloadEngine:
         """Where offloaded gradient shards are copied to the host as their reduce-scatters finish."""
         self.update_s = 0.0
         self.updates = 0
+        self.early = False
+        """Whether the backward running now may start updates ([Note: updates started in backward])."""
+        self.early_updates = 0
+        """Chunk updates started in backward so far."""
+        self._early: dict[tuple[int, int], tuple[list[dict[str, Any]], list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        """(id(optimizer), chunk index) -> the hyperparameters an update started in backward used, and the
+        gradients it hid from the user's views; taken by that optimizer's next launch."""
+        self._warned_hypers = False
         if self.nvme:
             self._relayout((("master", self.nvme[0].master.dtype),))
 
@@ -168,6 +201,12 @@ class OffloadEngine:
             shadow = self.shadows.get((id(optimizer), chunk.index))
             if shadow is None:
                 continue
+            early = self._early.pop((id(optimizer), chunk.index), None)
+            if early is not None:  # started in backward: only give its gradients back after the step
+                hypers, started_hidden = early
+                hidden += started_hidden
+                self._check_hypers(hypers, shadow.snapshot())
+                continue
             grads = [view.grad for view in shadow.user_views]
             if all(g is None for g in grads):
                 continue
@@ -181,6 +220,48 @@ class OffloadEngine:
             assert self._worker is not None
             self._worker.submit(self._run, jobs)
         return hidden
+
+    def landed(self, chunk: Chunk, complete: bool) -> None:
+        """``chunk``'s reduced gradient is in its host shard and in its views; ``complete``: every trainable
+        parameter of it got a gradient on this rank in this backward. Start its update now when this
+        backward allows it ([Note: updates started in backward])."""
+        if not self.early or not complete or chunk.placement != "cpu":
+            return
+        slots = {id(view): slot for slot, view in self.user_views[chunk.index]}
+        jobs = []
+        for optimizer in self.optimizers:
+            key = (id(optimizer), chunk.index)
+            shadow = self.shadows.get(key)
+            if shadow is None or key in self._early:
+                continue
+            views, state = shadow.user_views, optimizer.state
+            grads = [None if view.grad is None or (chunk.elsewhere(slots[id(view)]) and state.get(view)) else view.grad
+                     for view in views]  # as the step sees them (GradientFlow.hide_elsewhere)
+            if all(g is None for g in grads):
+                continue
+            hidden = [(view, view.grad) for view in views if view.grad is not None]
+            for view, _ in hidden:
+                view.grad = None
+            job = _Job(chunk, shadow, shadow.snapshot(), grads)
+            self._early[key] = (job.hypers, hidden)
+            jobs.append(job)
+        if jobs:
+            assert self._worker is not None
+            chunk.pending_update = jobs[-1].future  # the worker runs them in order
+            self.early_updates += len(jobs)
+            self._worker.submit(self._run, jobs)
+
+    def _check_hypers(self, used: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
+        if not self._warned_hypers and repr(used) != repr(now):
+            self._warned_hypers = True
+            log.warning("an offloaded chunk's update started in backward with hyperparameters that changed before "
+                        "the optimizer step (%s, now %s): code the strategy could not see ran in between. Pass "
+                        "ElixirStrategy(updates_in_backward=False) to start offloaded updates at the step.", used, now)
+
+    @property
+    def started_early(self) -> bool:
+        """Whether updates started in backward wait for their optimizer's step."""
+        return bool(self._early)
 
     @staticmethod
     def restore(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:

@@ -523,6 +523,11 @@ class StepProtocol:
             self.cache.shrink()
             self.micro_batches += 1
 
+    @property
+    def holds_graphs(self) -> bool:
+        """Whether a backward that created a graph keeps its chunks for a later backward through it."""
+        return bool(self._graph_pins)
+
     def release_graph_pins(self) -> None:
         """A backward without ``create_graph`` is over: the graphs earlier ones built have been used
         ([Note: backward through a backward])."""

@@ -98,6 +98,8 @@ class Reductions:
         for view, grad in self._targets(chunk):
             if view.requires_grad:  # read now: Lightning's toggle_optimizer sets it on the views mid-step
                 view.grad = grad
+        if chunk.offloaded:
+            self.offload.landed(chunk, complete=not (chunk.pending_grads or chunk.absent_grads))
         chunk.reset_grad_tracking()
         self._next_retire += 1
         self.retired += 1
