@@ -175,7 +175,9 @@ class ElixirStrategy(ParallelStrategy):
             no ``backward``/``on_after_backward``/``on_before_optimizer_step``/
             ``configure_gradient_clipping``/``optimizer_step`` override (otherwise the update starts at
             the step; [Note: updates started in backward] in runtime/offload.py). Results are the same
-            either way. False: always at the step.
+            either way. None (default): on an accelerator only; on a CPU-only machine the host is the
+            device, and an update started in backward competes with it for the same cores. False:
+            always at the step.
         start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
@@ -200,7 +202,7 @@ class ElixirStrategy(ParallelStrategy):
                  host_memory_limit: Union[int, float, str, None] = None,
                  state_dict_type: str = "full", collective_timeout_s: Optional[float] = None,
                  replan: Union[bool, SelfCorrection] = True, oom_recovery: bool = True,
-                 updates_in_backward: bool = True, accelerator: Any = None,
+                 updates_in_backward: Optional[bool] = None, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -254,11 +256,13 @@ class ElixirStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
-                            ("oom_recovery", oom_recovery), ("updates_in_backward", updates_in_backward)):
+                            ("oom_recovery", oom_recovery)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
+        if updates_in_backward not in (None, True, False):
+            raise TypeError(f"updates_in_backward must be None, True or False, got {updates_in_backward!r}")
         self.updates_in_backward = updates_in_backward
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
@@ -597,7 +601,8 @@ class ElixirStrategy(ParallelStrategy):
         """Around a backward: let offloaded chunks start their updates in it when nothing between it and
         the step can change them ([Note: updates started in backward] in runtime/offload.py)."""
         runtime = self.runtime
-        if runtime is None or not runtime.offload.chunks or not self.updates_in_backward:
+        wanted = self.updates_in_backward
+        if runtime is None or not runtime.offload.chunks or not (runtime.device.type != "cpu" if wanted is None else wanted):
             yield
             return
         runtime.offload.early = self._nothing_between_backward_and_step(runtime)

@@ -43,7 +43,9 @@ gradient needs it (the catalog's gradient-norm penalty showed it). So the strate
 a backward under automatic optimization that ends its accumulation, with no gradient clipping, no
 fp16 scaler, no graph kept from such an earlier backward (``StepProtocol.holds_graphs``), and none
 of those hooks overridden by the module or a callback; otherwise the
-update waits for the step: the runtime holds rather than speculates. Per chunk, it starts only when
+update waits for the step: the runtime holds rather than speculates. By default only on an
+accelerator: on a CPU-only machine the host is the device, and the update would compete with the
+backward for the same cores (examples/benchmarks/offload.py showed no gain there). Per chunk, it starts only when
 every trainable parameter of the chunk got its gradient on this rank in this backward, so that no
 parameter can turn out unused at the step ([Note: unused parameters] in grads.py), and only for
 chunks in host memory (NVMe chunks keep the step's read-ahead). The started chunks' gradients are

@@ -104,7 +104,7 @@ def make_strategy(name: str, case: Any, plan: Any) -> Any:
     if name == "elixir":
         return ElixirStrategy(plan="auto")
     if name == "elixir-tight":  # the budget is set by plan_within_a_tight_budget; a switch would search the whole one
-        return ElixirStrategy(plan="auto", replan=False)
+        return ElixirStrategy(plan="auto", replan=False, updates_in_backward=True)  # on a CPU too: its offloading plans
     if name == "zero3-1pp":
         return ElixirStrategy(plan=plan)
     if name == "zero3-shared":
