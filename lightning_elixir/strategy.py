@@ -601,8 +601,11 @@ class ElixirStrategy(ParallelStrategy):
         """Around a backward: let offloaded chunks start their updates in it when nothing between it and
         the step can change them ([Note: updates started in backward] in runtime/offload.py)."""
         runtime = self.runtime
+        if runtime is None or not runtime.offload.chunks:
+            yield
+            return
         wanted = self.updates_in_backward
-        if runtime is None or not runtime.offload.chunks or not (runtime.device.type != "cpu" if wanted is None else wanted):
+        if not (runtime.device.type != "cpu" if wanted is None else wanted):  # None: on an accelerator only
             yield
             return
         runtime.offload.early = self._nothing_between_backward_and_step(runtime)

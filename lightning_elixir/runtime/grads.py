@@ -143,7 +143,8 @@ class GradientFlow:
 
     def hide_elsewhere(self, optimizer: Any) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Hide from ``optimizer``'s step the (empty) gradients of its views held elsewhere that have their
-        state already ([Note: shard views held elsewhere] in optim.py); ``restore_hidden`` puts them back.
+        state already ([Note: shard views held elsewhere] in optim.py); ``OffloadEngine.restore`` puts them
+        back, with the offloaded chunks' gradients the step's launch hid.
 
         They keep their gradient between steps: ``_accumulates`` in reductions.py reads zero_grad's
         ``None`` on them, also where a rank holds nothing else of a chunk."""
@@ -153,11 +154,6 @@ class GradientFlow:
         for view, _ in hidden:
             view.grad = None
         return hidden
-
-    @staticmethod
-    def restore_hidden(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        for view, grad in hidden:
-            view.grad = grad
 
 
 def _hyperparameter_print(optimizer: Any) -> float:

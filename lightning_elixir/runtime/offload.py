@@ -39,14 +39,15 @@ change gradients or hyperparameters, and an overridden ``backward`` may keep the
 backward, which would read parameters already updated. A backward through a graph that
 ``torch.autograd.grad(..., create_graph=True)`` built earlier in the step (a penalty on gradients)
 reads a parameter's value after its gradient is complete: the gradient of another parameter's
-gradient needs it (the catalog's gradient-norm penalty showed it). So the strategy allows it (``OffloadEngine.early``) only for
-a backward under automatic optimization that ends its accumulation, with no gradient clipping, no
-fp16 scaler, no graph kept from such an earlier backward (``StepProtocol.holds_graphs``), and none
-of those hooks overridden by the module or a callback; otherwise the
-update waits for the step: the runtime holds rather than speculates. By default only on an
-accelerator: on a CPU-only machine the host is the device, and the update would compete with the
-backward for the same cores (examples/benchmarks/offload.py showed no gain there). Per chunk, it starts only when
-every trainable parameter of the chunk got its gradient on this rank in this backward, so that no
+gradient needs it (the catalog's gradient-norm penalty showed it). So the strategy allows it
+(``OffloadEngine.early``) only for a backward under automatic optimization that ends its
+accumulation, with no gradient clipping, no fp16 scaler, no graph kept from such an earlier
+backward (``StepProtocol.holds_graphs``), and none of those hooks overridden by the module or a
+callback; otherwise the update waits for the step: the runtime holds rather than speculates. By
+default only on an accelerator: on a CPU-only machine the host is the device, and the update would
+compete with the backward for the same cores (examples/benchmarks/offload.py showed no gain there).
+Per chunk, it starts only when every trainable parameter of the chunk got its gradient on this rank
+in this backward, so that no
 parameter can turn out unused at the step ([Note: unused parameters] in grads.py), and only for
 chunks in host memory (NVMe chunks keep the step's read-ahead). The started chunks' gradients are
 hidden from the user's views until the step has run, as the step's own launch hides them, and the
@@ -267,7 +268,7 @@ class OffloadEngine:
 
     @staticmethod
     def restore(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Give the user's views back the gradients ``launch`` hid."""
+        """Give the user's views back the gradients ``launch`` (or ``GradientFlow.hide_elsewhere``) hid."""
         for view, grad in hidden:
             view.grad = grad
 

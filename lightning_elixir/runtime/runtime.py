@@ -296,8 +296,7 @@ class ElixirRuntime:
             try:
                 yield
             finally:
-                self.offload.restore(hidden)
-                self.grads.restore_hidden(elsewhere)
+                self.offload.restore(hidden + elsewhere)
             self.updating = False
             self.after_step(stepped=True)
 
