@@ -118,6 +118,9 @@ class _Job:
     shadow: Shadow
     hypers: list[dict[str, Any]]
     grads: list[Optional[torch.Tensor]]
+    ready: Any = None
+    """On a GPU, an event on the launching thread's stream after every read of the chunk's device shard
+    queued so far; the upload waits for it before it overwrites the shard."""
     future: Future = field(default_factory=Future)
 
 
@@ -154,6 +157,9 @@ class OffloadEngine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="elixir-offload") if self.chunks else None
         self.copy_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
         """Where offloaded gradient shards are copied to the host as their reduce-scatters finish."""
+        self.upload_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
+        """Where the worker copies updated shards back to the device ([Note: uploads of updated shards])."""
+        self._staging: Optional[torch.Tensor] = None
         self.update_s = 0.0
         self.updates = 0
         self.early = False
@@ -213,7 +219,7 @@ class OffloadEngine:
             grads = [view.grad for view in shadow.user_views]
             if all(g is None for g in grads):
                 continue
-            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads))
+            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, self._ready()))
             hidden += [(view, g) for view, g in zip(shadow.user_views, grads) if g is not None]
         for view, _ in hidden:
             view.grad = None
@@ -245,7 +251,7 @@ class OffloadEngine:
             hidden = [(view, view.grad) for view in views if view.grad is not None]
             for view, _ in hidden:
                 view.grad = None
-            job = _Job(chunk, shadow, shadow.snapshot(), grads)
+            job = _Job(chunk, shadow, shadow.snapshot(), grads, self._ready())
             self._early[key] = (job.hypers, hidden)
             jobs.append(job)
         if jobs:
@@ -311,15 +317,56 @@ class OffloadEngine:
             job.shadow.step(job.hypers, job.grads)
             if fields is not None:
                 self._capture(chunk, fields)
-            chunk.refresh_shard()
-            if self.device.type != "cpu":
-                torch.accelerator.current_stream(self.device).synchronize()
+            self._upload(chunk, job.ready)
             if page is not None:
                 self._unbind(chunk)
                 assert self.store is not None
                 self.store.write(chunk.index, page, release=True)
         self.update_s += time.perf_counter() - start
         self.updates += 1
+
+    def _ready(self) -> Any:
+        """An event after the work the launching thread has queued on the device (None on the CPU)."""
+        if self.upload_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _upload(self, chunk: Chunk, ready: Any) -> None:
+        """Copy ``chunk``'s updated master into its compute-dtype shard on the device; return when it is there.
+
+        [Note: uploads of updated shards]
+        On the CPU the shard is copied in place. On a GPU the worker neither uses the device's default
+        stream nor waits for it: that stream holds the main thread's queued compute, and waiting for it
+        made each chunk's update last until the device had drained the next forward, which waits for
+        that very update. Instead the master is converted to the compute dtype on the host (on every
+        core, into one pinned staging buffer: half the bytes of fp32 cross the bus), the copy runs on
+        the engine's upload stream after the ``ready`` event (every read of the shard queued before the
+        update was launched, such as an all-gather in flight), and the worker waits for that copy only.
+        Directions differ from the gradient copies, so both use the bus at once. The next gather reads
+        the shard after ``Chunk.settle``, when the copy is complete.
+        """
+        if self.upload_stream is None or chunk.master is chunk.shard:
+            chunk.refresh_shard()
+            return
+        source = chunk.master
+        if source.dtype != chunk.shard.dtype or not source.is_pinned():
+            source = self._staged(chunk.shard.dtype, chunk.shard_numel)
+            source.copy_(chunk.master)
+        self.upload_stream.wait_event(ready)
+        with torch.cuda.stream(self.upload_stream):
+            chunk.shard.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.upload_stream)
+        done.synchronize()  # the staging buffer is reused by the next chunk
+
+    def _staged(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the pinned staging buffer, as ``dtype`` (grown when needed)."""
+        nbytes = numel * _itemsize(dtype)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:nbytes].view(dtype)
 
     # ---- NVMe records ------------------------------------------------------------------------------
 
@@ -441,6 +488,7 @@ class OffloadEngine:
     def host_bytes(self) -> int:
         """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages."""
         total = self.store.host_bytes if self.store is not None else 0
+        total += self._staging.nbytes if self._staging is not None else 0
         for chunk in self.chunks:
             total += chunk.grad_shard.nbytes
             if chunk.index not in self.on_disk:
