@@ -35,21 +35,23 @@ from lightning_elixir.profile.types import HardwareProfile, ProfileError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/lightning_elixir")
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 """Part of the cache file name. Bump it when HardwareProfile gains a measured field: a profile
 cached before would load with the field's default (v2: ``comm_overlap``, which defaults to 1.0;
 v3: ``op_overhead_s`` and the matmul, attention and elementwise points, which default to no
 overhead, every call at the peak matmul rate and bytes at the copy bandwidth), or when what a
-field measures changes (v4: the reduce-scatter of CPU tensors became a direct exchange)."""
+field measures changes (v4: the reduce-scatter of CPU tensors became a direct exchange; v5: the host
+optimizer is timed as the offload worker runs it, with ``host_update_overhead_s`` and
+``upload_bytes_per_s``, [Note: measuring host updates] in bench.py)."""
 # (size, speed) point fields: the worst case over ranks is the smallest speed at each size.
 _POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "matmul_points", "attention_points",
                  "attention_backward_points", "elementwise_points")
 # Fields whose worst case over ranks is their largest value.
-_MAX_FIELDS = ("collective_latency_s", "op_overhead_s")
+_MAX_FIELDS = ("collective_latency_s", "op_overhead_s", "host_update_overhead_s")
 # Fields whose worst case over ranks is their smallest value.
 _MIN_FIELDS = ("device_memory_bytes", "matmul_flops_per_s", "device_memory_bytes_per_s", "h2d_bytes_per_s",
                "d2h_bytes_per_s", "optimizer_device_numel_per_s", "optimizer_cpu_numel_per_s",
-               "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "comm_overlap")
+               "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "comm_overlap", "upload_bytes_per_s")
 
 
 @dataclass(frozen=True)
@@ -164,9 +166,7 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     h2d, d2h = bench.host_transfer_bytes_per_s(device, sizes)
     latency_s, gather_points, scatter_points = _collectives(device, key.world_size, sizes, all_gather, reduce_scatter)
     optimizer_device = bench.optimizer_numel_per_s(device, sizes.optimizer_numel, sizes.iters)
-    cpu = torch.device("cpu")
-    optimizer_cpu = optimizer_device if device.type == "cpu" else bench.optimizer_numel_per_s(
-        cpu, BenchSizes.for_device(cpu).optimizer_numel, sizes.iters)
+    host_update = bench.host_update_costs(device, dtype, sizes)
     nvme_read, nvme_write = bench.nvme_bytes_per_s(nvme_path, sizes.nvme_bytes) if nvme_path else (0.0, 0.0)
     overlap = bench.comm_overlap(all_gather or bench.local_copy, reduce_scatter or bench.local_copy, key.world_size,
                                  device, dtype, sizes)
@@ -177,7 +177,8 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
         device_memory_bytes_per_s=bench.memory_bytes_per_s(device, sizes),
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         all_gather_bytes_per_s=gather_points, reduce_scatter_bytes_per_s=scatter_points,
-        optimizer_device_numel_per_s=optimizer_device, optimizer_cpu_numel_per_s=optimizer_cpu,
+        optimizer_device_numel_per_s=optimizer_device, optimizer_cpu_numel_per_s=host_update.optimizer_numel_per_s,
+        host_update_overhead_s=host_update.overhead_s, upload_bytes_per_s=host_update.upload_bytes_per_s,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
         collective_latency_s=latency_s, comm_overlap=overlap, compute_dtype=key.compute_dtype,
         notes=_notes(device, key.world_size, all_gather), op_overhead_s=overhead_s, matmul_points=matmul_points,

@@ -190,7 +190,9 @@ class HardwareProfile:
     optimizer_device_numel_per_s: float
     """AdamW update speed on the device in elements per second."""
     optimizer_cpu_numel_per_s: float
-    """AdamW update speed on the CPU in elements per second."""
+    """AdamW update speed on the host in elements per second, as the offload worker runs it: in its
+    own thread, on state beyond the host's caches, beside the thread launching the device's work
+    ([Note: measuring host updates] in bench.py)."""
     nvme_read_bytes_per_s: float = 0.0
     """Read bandwidth at the NVMe path (0: not measured / no path)."""
     nvme_write_bytes_per_s: float = 0.0
@@ -223,13 +225,21 @@ class HardwareProfile:
     """(Bytes one call reads and writes, achieved bytes/s) of out-of-place elementwise and
     normalisation operators (add, GELU, layer norm, softmax) at a few sizes, ascending in bytes.
     Empty: operators move bytes at ``device_memory_bytes_per_s``."""
+    host_update_overhead_s: float = 0.0
+    """Fixed seconds of one offloaded chunk's update on the host, whatever its size (the optimizer's
+    call, the upload's launch and wait). 0: not measured."""
+    upload_bytes_per_s: float = 0.0
+    """Speed of an updated shard's way back to the device, in bytes of the compute dtype per second:
+    the conversion on the host into pinned memory and the copy. 0: not measured (``h2d_bytes_per_s``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "notes", tuple(self.notes))
         for name in _RATE_POINT_FIELDS:
             object.__setattr__(self, name, _rate_points(name, getattr(self, name)))
-        if not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
-            raise ProfileError(f"op_overhead_s must be a finite number of seconds >= 0, got {self.op_overhead_s}")
+        for name in ("op_overhead_s", "host_update_overhead_s", "upload_bytes_per_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ProfileError(f"{name} must be a finite number >= 0, got {value}")
         for name in ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s"):
             points = tuple(sorted((int(b), float(bw)) for b, bw in getattr(self, name)))
             if not points or any(bw <= 0 for _, bw in points):

@@ -90,11 +90,12 @@ class ChunkTimes:
     d2h_s: tuple[float, ...]
     """Copy of the gradient shard to the host (offloaded chunks, every micro-batch)."""
     h2d_s: tuple[float, ...]
-    """Upload of the updated compute-dtype parameter shard (offloaded chunks, every step)."""
+    """Upload of the updated compute-dtype parameter shard, its conversion on the host included
+    (offloaded chunks, every step)."""
     device_optimizer_s: tuple[float, ...]
     """Optimizer update of the shard on the device."""
     cpu_optimizer_s: tuple[float, ...]
-    """Optimizer update of the shard on the CPU."""
+    """Optimizer update of the shard on the host, with the fixed cost of a chunk's update."""
     nvme_s: tuple[float, ...]
     """Reading and writing back master and optimizer states of the shard on NVMe."""
 
@@ -248,9 +249,9 @@ def chunk_times(layout: Layout, model: ModelProfile, hardware: HardwareProfile, 
         out["gather_s"].append(hardware.all_gather_s(spec.numel * per.param))
         out["reduce_s"].append(hardware.reduce_scatter_s(spec.numel * per.reduce))
         out["d2h_s"].append(shard * per.grad / hardware.d2h_bytes_per_s)
-        out["h2d_s"].append(shard * per.param / hardware.h2d_bytes_per_s)
+        out["h2d_s"].append(shard * per.param / (hardware.upload_bytes_per_s or hardware.h2d_bytes_per_s))
         out["device_optimizer_s"].append(shard / hardware.optimizer_device_numel_per_s)
-        out["cpu_optimizer_s"].append(shard / hardware.optimizer_cpu_numel_per_s)
+        out["cpu_optimizer_s"].append(hardware.host_update_overhead_s + shard / hardware.optimizer_cpu_numel_per_s)
         out["nvme_s"].append(sum(paged / bw if bw > 0 else float("inf") for bw in nvme_bytes_per_s))
     return ChunkTimes(**{name: tuple(values) for name, values in out.items()})
 

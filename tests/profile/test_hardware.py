@@ -48,6 +48,7 @@ def test_measurement_is_plausible_and_says_what_it_measured(measured):
     assert any("host memory copy" in note for note in measured.notes)
     assert measured.all_gather_s(1 << 14) > measured.collective_latency_s
     assert 0.0 <= measured.comm_overlap <= 1.0
+    assert measured.host_update_overhead_s >= 0.0 and measured.upload_bytes_per_s > 0
 
 
 def test_measurement_calibrates_the_compute_model(measured):
@@ -212,16 +213,19 @@ def _two_ranks(fn, mine, other):
 
 def test_ranks_agree_on_the_worst_numbers(hardware_factory):
     mine = hardware_factory(world_size=2, comm_overlap=0.7, collective_latency_s=1e-4, op_overhead_s=2e-6,
+                            host_update_overhead_s=1e-4, upload_bytes_per_s=2e9,
                             matmul_points=((1e6, 1e9), (1e9, 4e10), (1e12, 9e10)),
                             attention_points=((1e6, 1e9), (1e9, 1e10)), attention_backward_points=((3e6, 5e8),),
                             elementwise_points=((1e3, 1e9), (1e6, 2e10)))
     other = dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10,
-                                op_overhead_s=5e-6, matmul_points=((1e6, 2e9), (1e9, 3e10), (1e12, 5e10)),
+                                op_overhead_s=5e-6, host_update_overhead_s=3e-5, upload_bytes_per_s=1e9,
+                                matmul_points=((1e6, 2e9), (1e9, 3e10), (1e12, 5e10)),
                                 attention_points=((1e6, 2e9), (1e9, 5e9)), attention_backward_points=((3e6, 4e8),),
                                 elementwise_points=((1e3, 2e9), (1e6, 1e10)))
     agreed = _two_ranks(hardware._slowest_rank, mine, other)
     assert agreed == dataclasses.replace(mine, comm_overlap=0.2, collective_latency_s=3e-4, matmul_flops_per_s=5e10,
-                                         op_overhead_s=5e-6, matmul_points=((1e6, 1e9), (1e9, 3e10), (1e12, 5e10)),
+                                         op_overhead_s=5e-6, upload_bytes_per_s=1e9,
+                                         matmul_points=((1e6, 1e9), (1e9, 3e10), (1e12, 5e10)),
                                          attention_points=((1e6, 1e9), (1e9, 5e9)),
                                          attention_backward_points=((3e6, 4e8),),
                                          elementwise_points=((1e3, 1e9), (1e6, 1e10)))

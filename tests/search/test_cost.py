@@ -111,6 +111,18 @@ def test_where_the_host_is_the_device_host_work_runs_in_sequence(placement, step
     assert cost.step_s == pytest.approx(step_s)
 
 
+def test_a_host_update_pays_its_fixed_cost_and_the_measured_upload():
+    # test_offloading_one_chunk_to_the_cpu with the host update measured as the worker runs it: a fixed
+    # 0.5 s per chunk, and the upload at 50 B/s (conversion included) rather than the link's 100 B/s.
+    # Worker: 0.5 + 2 s AdamW + 50 * 2 B / 50 = 2 s upload = 4.5 s, done at 15.5: 2 s past 13.5.
+    measured = dataclasses.replace(HARDWARE, host_update_overhead_s=0.5, upload_bytes_per_s=50.0)
+    cost = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, measured, OPTIONS).cost
+    assert cost.cpu_optimizer_s == pytest.approx(2.5) and cost.h2d_s == pytest.approx(2.0)
+    assert cost.host_work_s == pytest.approx(4.5)
+    assert cost.exposed_host_s == pytest.approx(2.0)
+    assert cost.step_s == pytest.approx(13.5)
+
+
 def test_both_chunks_offloaded_update_in_forward_order():
     # Both on the CPU: copies 9 -> 11 (chunk 1) and 11 -> 13 (chunk 0); no device optimizer, so the
     # next step can start at 13. Worker: chunk 0 first (used first), done 16, deadline 13 + 2 - 2 =
