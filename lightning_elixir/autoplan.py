@@ -63,7 +63,8 @@ class AutoPlanner:
             compute_dtype=precision.compute_dtype, autocast_dtype=precision.autocast_dtype,
             memory_limit=strategy.device_memory_limit, local_world_size=strategy.num_processes,
             hardware=strategy.hardware_profile, private_params=strategy.private_params,
-            offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit))
+            offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit,
+                                    updates_in_backward=strategy.updates_will_start_in_backward()))
         rank_zero_info(progress_lines(self.planning))
         return self.planning
 

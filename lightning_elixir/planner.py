@@ -67,6 +67,8 @@ class OffloadSettings:
     host_memory_limit: MemoryLimit = None
     """Host memory offloaded state may use: bytes, "64GiB" or a fraction of the host's memory
     (shared by the ranks of a machine). Default: 80% of what is available when planning."""
+    updates_in_backward: bool = False
+    """Whether the runtime will start offloaded updates in backward (``SearchOptions.updates_in_backward``)."""
 
 
 @dataclass(frozen=True)
@@ -349,13 +351,14 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
 
     Without memory pressure (the plan without recomputation keeps all state on the device) that plan
     is taken as it is. Otherwise every other block, then every block, recomputing are traced and
-    searched too, and the fastest predicted plan that fits wins. Raises the first ``NoPlanFitsError``
-    when no variant fits."""
+    searched too, and the fastest predicted plan that fits wins. When no variant fits, raises the
+    ``NoPlanFitsError`` of the variant whose most frugal plan needs the least memory."""
+    failures: list[NoPlanFitsError] = []
     try:
         plan, report = search(profile, hw, budget, options)
-        found, failure = [((), plan, report, profile)], None
+        found = [((), plan, report, profile)]
     except NoPlanFitsError as err:
-        found, failure = [], err
+        found, failures = [], [err]
     if found and not plan.offloads:
         return plan, report, profile, ()
     blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
@@ -364,13 +367,12 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
         try:
             variant = traced(names)
             found.append((names, *search(variant, hw, budget, options), variant))
-        except NoPlanFitsError:
-            continue
+        except NoPlanFitsError as err:
+            failures.append(err)
         except Exception as err:  # noqa: BLE001 (a variant that cannot be traced is not chosen)
             log.debug("could not trace the step with %d blocks recomputing", len(names), exc_info=err)
     if not found:
-        assert failure is not None
-        raise failure
+        raise min(failures, key=lambda f: f.min_device_bytes)
     names, plan, report, profile = min(found, key=lambda f: f[2].winner.step_s)
     if not names:
         return plan, report, profile, ()
@@ -414,7 +416,8 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
     kernel workspaces or communicator buffers, which the search's margin is for: it has none."""
     options = search_options(world_size, micro_batches, compute_dtype, autocast_dtype, allow_cpu=offload.allow_cpu,
                              nvme_available=offload.nvme_path is not None,
-                             host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size))
+                             host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size),
+                             updates_in_backward=offload.updates_in_backward)
     if emulated.active() is not None:
         options = dataclasses.replace(options, margin_fraction=0.0, margin_bytes=0)
     return options
@@ -422,7 +425,7 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
 
 def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
                    autocast_dtype: Optional[torch.dtype], *, allow_cpu: bool = True, nvme_available: bool = False,
-                   host_memory_bytes: Optional[int] = None) -> SearchOptions:
+                   host_memory_bytes: Optional[int] = None, updates_in_backward: bool = False) -> SearchOptions:
     """Search options that describe what the runtime will do with this precision and offload settings.
 
     Pure: the host memory is an argument, so a plan can be searched for another machine.
@@ -434,7 +437,8 @@ def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dty
         grad_bytes_per_numel=2 if true_low_precision else 4,
         optimizer_bytes_per_numel=4 if true_low_precision else 8,
         reduce_in_fp32=not true_low_precision,
-        allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes)
+        allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes,
+        updates_in_backward=updates_in_backward)
 
 
 def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:

@@ -604,22 +604,29 @@ class ElixirStrategy(ParallelStrategy):
         if runtime is None or not runtime.offload.chunks:
             yield
             return
-        wanted = self.updates_in_backward
-        if not (runtime.device.type != "cpu" if wanted is None else wanted):  # None: on an accelerator only
-            yield
-            return
-        runtime.offload.early = self._nothing_between_backward_and_step(runtime)
+        protocol = runtime.protocol  # holds_graphs: this backward goes through a graph torch.autograd.grad made
+        runtime.offload.early = (self.updates_will_start_in_backward() and runtime.scaler is None
+                                 and not protocol.accumulating and not protocol.holds_graphs)
         try:
             yield
         finally:
             runtime.offload.early = False
 
-    def _nothing_between_backward_and_step(self, runtime: ElixirRuntime) -> bool:
+    def updates_will_start_in_backward(self) -> bool:
+        """Whether offloaded updates start in the backward that ends an accumulation, as far as the
+        configuration tells before fit: asked for (or on an accelerator), and nothing between backward
+        and step can change them. The search prices the plan for it."""
+        wanted = self.updates_in_backward
+        if not (self.root_device.type != "cpu" if wanted is None else wanted):  # None: on an accelerator only
+            return False
+        return self._nothing_between_backward_and_step()
+
+    def _nothing_between_backward_and_step(self) -> bool:
         module = self.lightning_module
         trainer = module.trainer
-        if not module.automatic_optimization or runtime.protocol.accumulating or runtime.protocol.holds_graphs:
-            return False  # holds_graphs: this backward goes through a graph torch.autograd.grad made
-        if runtime.scaler is not None or getattr(self.precision_plugin, "scaler", None) is not None:
+        if not module.automatic_optimization:
+            return False
+        if getattr(self.precision_plugin, "scaler", None) is not None:
             return False  # fp16: the step may be skipped
         if trainer.gradient_clip_val:
             return False

@@ -151,3 +151,20 @@ def test_updates_started_in_backward_change_nothing(runs, config):
     weights, reference = torch.load(runs / f"{config}_True" / "weights.pt"), torch.load(runs / f"{config}_False" / "weights.pt")
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
+
+
+@pytest.mark.parametrize("wanted, module, trainer_args, starts", [
+    (True, Layers, {}, True),
+    (None, Layers, {}, False),  # default: on an accelerator only
+    (False, Layers, {}, False),
+    (True, Layers, {"gradient_clip_val": 1.0}, False),
+    (True, Layers, {"callbacks": [OnlyOverridesTheHook()]}, False),
+    (True, HalvesAGradient, {}, False),
+])
+def test_the_search_is_told_whether_updates_will_start_in_backward(wanted, module, trainer_args, starts):
+    strategy = ElixirStrategy(plan="zero2", updates_in_backward=wanted)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, **trainer_args)
+    model = module()
+    model.trainer = trainer
+    strategy.connect(model)
+    assert strategy.updates_will_start_in_backward() is starts

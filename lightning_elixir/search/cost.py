@@ -65,7 +65,16 @@ Every overlap assumption of the search lives here and in ``timeline``, ``step_co
    Where host work can hide, the last update ends at launch + W >= forward/backward + W and its
    deadline is at most ``next_start`` + the schedule's end <= ``next_start`` + forward/backward,
    so step >= W (one worker cannot do more than one step's worth of updates per step): the floor is
-   max(D, W). Where it cannot, step >= D + W.
+   max(D, W). Where it cannot, step >= D + W. Updates started in backward (rule 5) can end before
+   forward/backward + W, but a worker busy W every step still cannot keep up with shorter steps:
+   the floor stands.
+5. Updates started in backward ([Note: updates started in backward] in runtime/offload.py). When the
+   runtime will start them (``SearchOptions.updates_in_backward``), the update of a chunk in host
+   memory starts when its gradient shard of the last micro-batch has landed on the host (its copy
+   is done: the runtime starts it when the reduction is retired, a little later), in landing
+   order; NVMe chunks follow at the step's launch as in rule 3. One worker: each update starts at
+   the later of its start and the end of the one before. Deadlines and the worst wait are rule 3's.
+   Where the host is the device nothing changes: the whole worker time stays in sequence.
 """
 
 from __future__ import annotations
@@ -213,12 +222,17 @@ class PlacementCost:
     """Uploads of updated parameter shards."""
     worker_s: tuple[float, ...]
     """Per chunk: the host worker's time on its update (0 on the device; see [Note: overlap])."""
+    in_host_memory: tuple[bool, ...] = ()
+    """Per chunk: its state is in host memory (placed "cpu"), so its update may start in backward
+    (rule 5 of [Note: overlap]). Empty: none is."""
 
     def __post_init__(self) -> None:
         if min(self.d2h_s, self.device_optimizer_s, self.cpu_optimizer_s, self.nvme_s, self.h2d_s) < 0:
             raise ValueError("a placement's times must be >= 0")
         if len(self.worker_s) != len(self.offloaded) or min(self.worker_s, default=0.0) < 0:
             raise ValueError("a placement needs one worker time >= 0 per chunk")
+        if self.in_host_memory and len(self.in_host_memory) != len(self.offloaded):
+            raise ValueError("a placement's in_host_memory needs one flag per chunk")
 
     @property
     def host_work_s(self) -> float:
@@ -314,11 +328,19 @@ def timeline(
 def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
                 offloaded: tuple[bool, ...]) -> float:
     """When the copy stream has moved every offloaded gradient shard to the host."""
-    free = 0.0
+    return max(landed_s(reduce_done, d2h_s, offloaded).values(), default=0.0)
+
+
+def landed_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
+             offloaded: tuple[bool, ...]) -> dict[int, float]:
+    """Per offloaded chunk, when the copy stream has moved its gradient shard of the step's last
+    micro-batch to the host (copies one at a time, in reduction order)."""
+    free, landed = 0.0, {}
     for t, c in reduce_done:
         if offloaded[c]:
             free = max(free, t) + d2h_s[c]
-    return free
+            landed[c] = free
+    return landed
 
 
 def hides_host_work(hardware: HardwareProfile) -> bool:
@@ -352,38 +374,48 @@ def placement_cost(times: ChunkTimes, placements: tuple[str, ...], micro_batches
         nvme_s=_masked_sum(times.nvme_s, [p == "nvme" for p in placements]),
         h2d_s=_masked_sum(times.h2d_s, offloaded),
         worker_s=tuple(worker_s(times, c, p) for c, p in enumerate(placements)),
+        in_host_memory=tuple(p == "cpu" for p in placements),
     )
 
 
 def exposed_host_s(tl: Timeline, gather_s: tuple[float, ...], placement: PlacementCost, launch_s: float,
-                   next_start_s: float) -> float:
+                   next_start_s: float, started: tuple[tuple[float, int], ...] = ()) -> float:
     """The worst wait of the next step for a host update launched at ``launch_s`` (rule 3 of
-    [Note: overlap]); ``next_start_s`` is when the device is ready for the next step."""
+    [Note: overlap]); ``next_start_s`` is when the device is ready for the next step. ``started``:
+    (start, chunk) of the updates started in backward, in the order they start (rule 5); the others
+    follow them at ``launch_s``."""
     offloaded, work_s, first_use_s = placement.offloaded, placement.worker_s, tl.first_use_s
+    early = {c for _, c in started}
+    queue = [(t, c) for t, c in started] + [(launch_s, c) for c in tl.update_order if offloaded[c] and c not in early]
     # Times relative to next_start_s, so that small updates late in a long step keep their digits.
-    done_s, worst_s = launch_s - next_start_s, 0.0
-    for c in tl.update_order:
-        if offloaded[c]:
-            done_s += work_s[c]
-            late_s = done_s - max(first_use_s[c] - gather_s[c], 0.0)
-            if late_s > worst_s:
-                worst_s = late_s
+    done_s, worst_s = float("-inf"), 0.0
+    for start_s, c in queue:
+        done_s = max(done_s, start_s - next_start_s) + work_s[c]
+        late_s = done_s - max(first_use_s[c] - gather_s[c], 0.0)
+        if late_s > worst_s:
+            worst_s = late_s
     return worst_s
 
 
-def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost, host_hides: bool) -> CostBreakdown:
+def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost, host_hides: bool,
+              updates_in_backward: bool = False) -> CostBreakdown:
     """The cost of a step whose forward/backward is ``tl`` and whose state is placed as given.
 
     ``host_hides`` is ``hides_host_work(hardware)``: False charges all host work in sequence.
+    ``updates_in_backward``: the updates of chunks in host memory start as their gradients land
+    (rule 5 of [Note: overlap]).
     """
     p = placement
-    copy_done = copy_done_s(tl.reduce_done, times.d2h_s, p.offloaded) if any(p.offloaded) else 0.0
+    landed = landed_s(tl.reduce_done, times.d2h_s, p.offloaded) if any(p.offloaded) else {}
+    copy_done = max(landed.values(), default=0.0)
     fwd_bwd_s = tl.forward_backward_s
     next_start_s = max(fwd_bwd_s + p.device_optimizer_s, copy_done)
     if not any(p.offloaded):
         exposed_s = 0.0
     elif host_hides:
-        exposed_s = exposed_host_s(tl, times.gather_s, p, max(fwd_bwd_s, copy_done), next_start_s)
+        started = tuple(sorted((t, c) for c, t in landed.items() if p.in_host_memory and p.in_host_memory[c]))
+        exposed_s = exposed_host_s(tl, times.gather_s, p, max(fwd_bwd_s, copy_done), next_start_s,
+                                   started if updates_in_backward else ())
     else:
         exposed_s = p.host_work_s
     return CostBreakdown(

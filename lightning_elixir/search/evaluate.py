@@ -56,7 +56,8 @@ def evaluate_plan(
     times = chunk_times(layout, model, hardware, options)
     tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times,
                   hardware.comm_overlap)
-    cost = step_cost(tl, times, placement_cost(times, placements, m), hides_host_work(hardware))
+    cost = step_cost(tl, times, placement_cost(times, placements, m), hides_host_work(hardware),
+                     options.updates_in_backward)
     return PlanPrediction(cost, memory_breakdown(layout, model, blocks, placements, options), sim)
 
 

@@ -52,6 +52,10 @@ class SearchOptions:
     """Host page buffers NVMe-placed state is paged through, each as large as the largest NVMe
     chunk's record (plus a header block): one being read ahead, one being updated, one being written
     behind. The runtime's ``nvme_buffers``."""
+    updates_in_backward: bool = False
+    """Whether the runtime starts the updates of chunks in host memory as their gradients land in
+    the last micro-batch's backward ([Note: updates started in backward] in runtime/offload.py;
+    rule 5 of [Note: overlap] in cost.py), rather than at the optimizer step."""
     min_offload_gain: float = 0.1
     """How much faster (a fraction of its predicted step) a plan must be predicted to beat one that
     offloads fewer chunks ([Note: offloading for speed] in search.py); 0 takes the fastest prediction."""

@@ -229,7 +229,7 @@ def _evaluate(space: _Space, sim: SimResult, tl: Timeline, index: int, fixed_byt
               options: SearchOptions, host_hides: bool) -> _Evaluated:
     """Cost rung ``index`` of one simulated cache and wrap it as a ranked candidate."""
     rung = space.ladder[index]
-    cost = step_cost(tl, space.times, space.rung_costs[index], host_hides)
+    cost = step_cost(tl, space.times, space.rung_costs[index], host_hides, options.updates_in_backward)
     subtotal = fixed_bytes + rung.device_state_bytes
     layout = space.layout
     candidate = Candidate(

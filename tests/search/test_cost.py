@@ -350,3 +350,22 @@ def test_less_overlap_is_never_predicted_faster(model, hw, world_size, a, b):
     assert slow.forward_backward_s <= slow.compute_s + collectives_s + 1e-12
     nothing_hides = evaluate_plan(plan_, model, dataclasses.replace(hw, comm_overlap=0.0), options).cost
     assert nothing_hides.forward_backward_s == pytest.approx(nothing_hides.compute_s + collectives_s)
+
+
+def test_updates_started_in_backward_start_as_their_gradients_land():
+    # test_offloading_one_chunk_to_the_cpu with a 10x faster copy down: chunk 1's gradient shard
+    # (reduced at 9) lands at 9.2. Started at the step (11), its update (2 s AdamW + 1 s upload) ends
+    # at 14, 0.5 s past its deadline of 13.5; started as it lands, at 12.2: hidden. Step 12 -> 11.5 s.
+    fast_copy = dataclasses.replace(HARDWARE, d2h_bytes_per_s=1000.0)
+    early = dataclasses.replace(OPTIONS, updates_in_backward=True)
+    at_step = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, fast_copy, OPTIONS).cost
+    started = evaluate_plan(plan("all", 1, ("device", "cpu")), MODEL, fast_copy, early).cost
+    assert at_step.copy_done_s == pytest.approx(9.2) and at_step.exposed_host_s == pytest.approx(0.5)
+    assert started.exposed_host_s == 0.0 and started.step_s == pytest.approx(11.5)
+    # NVMe chunks keep the step's launch; where the host is the device, nothing changes.
+    for placements, hardware in ((("device", "nvme"), fast_copy), (("device", "cpu"), dataclasses.replace(
+            fast_copy, device_name="cpu"))):
+        at_step = evaluate_plan(plan("all", 1, placements), MODEL, hardware, OPTIONS).cost
+        started = evaluate_plan(plan("all", 1, placements), MODEL, hardware, early).cost
+        assert started == at_step
+
