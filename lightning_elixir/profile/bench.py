@@ -336,8 +336,8 @@ def host_update_costs(device: torch.device, compute_dtype: torch.dtype, sizes: B
     the device ([Note: uploads of updated shards] in runtime/offload.py). So this benchmark runs that:
     ``sizes.host_update_chunks`` chunks of ``host_update_numel`` fp32 shard elements, each with its own
     AdamW (fused where the host supports it, as the worker's shadows are on an accelerator), updated
-    in turn in a worker thread, each followed by its upload, while the main thread (on an accelerator
-    only) launches tiny kernels as a training step's Python does. It times the same at 4096 elements
+    in turn in a worker thread with the worker's intra-op threads, each followed by its upload, while
+    the main thread (on an accelerator only) launches tiny kernels as a training step's Python does. It times the same at 4096 elements
     per chunk; the fixed cost per chunk is what the small chunks take beyond their size's share.
     """
     small = _host_updates_s(device, compute_dtype, _SMALL_UPDATE_NUMEL, sizes)
@@ -388,7 +388,10 @@ def _host_updates_s(device: torch.device, compute_dtype: torch.dtype, numel: int
         count = rounds * len(optimizers)
         return step_s / count, upload_s / count
 
-    with ThreadPoolExecutor(1, thread_name_prefix="elixir-bench-update") as worker:
+    threads = torch.get_num_threads()  # the worker's count ([Note: a core for the thread that feeds the device])
+    threads = max(1, threads - 1) if accelerator else threads
+    with ThreadPoolExecutor(1, thread_name_prefix="elixir-bench-update", initializer=torch.set_num_threads,
+                            initargs=(threads,)) as worker:
         worker.submit(updates, 1).result()  # warm-up: the optimizer state is created
         timed = worker.submit(updates, sizes.iters)
         if accelerator:

@@ -21,6 +21,7 @@ from lightning_elixir.demos.gpt import GPT
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.runtime.layout import resolve_specs
 from lightning_elixir.runtime.nvme import NvmeError
+from lightning_elixir.runtime.offload import worker_threads
 from lightning_elixir.runtime.optim import DynamicLossScaler, optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.state_dict import (full_optimizer_state_dict, full_state_dict,
@@ -233,3 +234,20 @@ def _corrupt_then_step(rank: int, world_size: int, nvme_path: str, how: str) -> 
 def test_corrupted_nvme_record_is_a_clear_error(tmp_path, how):
     messages = run_distributed(_corrupt_then_step, 1, str(tmp_path), how)
     assert "chunk" in messages[0] and str(tmp_path) in messages[0], messages[0]
+
+
+def test_the_worker_leaves_a_core_to_the_thread_that_feeds_an_accelerator():
+    assert worker_threads(torch.device("cuda"), 16) == 15 and worker_threads(torch.device("cuda"), 1) == 1
+    assert worker_threads(torch.device("cpu"), 16) == 16  # there the compute wants every core
+    main = torch.get_num_threads()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    plan = ElixirPlan(chunk_numel=80, cache_blocks="all")
+    plan = dataclasses.replace(plan, world_size=1, chunks=tuple(dataclasses.replace(s, placement="cpu")
+                                                                for s in resolve_specs(model, plan, 1)))
+    runtime = ElixirRuntime(model, plan)
+    try:
+        assert runtime.offload._worker.submit(torch.get_num_threads).result() == main
+        assert torch.get_num_threads() == main
+    finally:
+        runtime.offload.close()
+        runtime.restore_module()
