@@ -53,6 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from lightning_elixir.demos.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan  # noqa: E402
+from lightning_elixir.profile import bench  # noqa: E402
 from lightning_elixir.runtime.layout import resolve_specs  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402
 from lightning_elixir.runtime.policy import PrecisionPolicy  # noqa: E402
@@ -353,7 +354,26 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace, nvme_path: 
     for r in range(args.samples):
         for name in names if r % 2 == 0 else names[::-1]:
             samples[name].append(runs[name].sample())
-    return {name: {**run.close(), "samples": samples[name]} for name, run in runs.items()}
+    predicted = predicted_updates_s(runs)
+    return {name: {**predicted[name], **run.close(), "samples": samples[name]} for name, run in runs.items()}
+
+
+def predicted_updates_s(runs: dict[str, "PlanRun"]) -> dict[str, dict[str, float]]:
+    """Per plan, the worker's seconds per step the cost model predicts for this rank's chunks in host
+    memory (NVMe paging left out), from the hardware profile's host update numbers as measured before
+    (one fused AdamW on cached state, on the main thread; the upload at the copy bandwidth) and now
+    ([Note: measuring host updates]), both measured here, in this rank's threads."""
+    cpu, sizes = torch.device("cpu"), bench.BenchSizes.for_device(torch.device("cpu"))
+    old_rate = bench.optimizer_numel_per_s(cpu, sizes.optimizer_numel, sizes.iters)
+    old_upload = bench.host_transfer_bytes_per_s(cpu, sizes)[0]
+    now = bench.host_update_costs(cpu, torch.float32, sizes)
+    out = {}
+    for name, run in runs.items():
+        shards = [c.shard_numel for c in run.runtime.chunks if c.placement == "cpu"]
+        out[name] = {"predicted_old_s": sum(n / old_rate + 4 * n / old_upload for n in shards),
+                     "predicted_new_s": sum(now.overhead_s + n / now.optimizer_numel_per_s
+                                            + 4 * n / now.upload_bytes_per_s for n in shards)}
+    return out
 
 
 # ---- 2 and 3. in this process -----------------------------------------------------------------
@@ -382,7 +402,9 @@ def combine_ranks(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
                       "delta_error_s": _median_error(delta), "optimizer_s": median_mean("optimizer_s"),
                       "in_run_s": median_mean("in_run_s"), "alone_s": median_mean("alone_s"),
                       "io": {k: sum(x["io"][k] for ranks in samples for x in ranks) for k in first["samples"][0]["io"]},
-                      **{k: first[k] for k in ("offloaded", "chunks", "direct_io")}}
+                      **{k: first[k] for k in ("offloaded", "chunks", "direct_io")},
+                      **{k: statistics.fmean(rank[name][k] for rank in per_rank)
+                         for k in ("predicted_old_s", "predicted_new_s")}}
     return rows
 
 
@@ -411,17 +433,23 @@ def exposed_table(args: argparse.Namespace, rows: dict[str, dict], params: int, 
     table = []
     print("  rows '...started in backward': the same plan, its offloaded updates started as each chunk's "
           "reduction retires; 'update alone' is the at-step row's (what is left after backward is less)\n")
+    print("  predicted = the cost model's worker seconds per step for the chunks in host memory, from the host "
+          "update as the profile measured it before (one fused AdamW on cached state, main thread) / now (as "
+          "the worker runs it: [Note: measuring host updates]), both measured in the ranks\n")
     for name, r in rows.items():
         alone = rows[name.removesuffix(IN_BACKWARD)]["alone_s"]
-        cells = ["", "", "", "", ""]
+        cells = ["", "", "", "", "", ""]
         if r["offloaded"]:
             net = r["delta_s"] + dev["optimizer_s"] - r["optimizer_s"]
-            cells = [f"{alone * 1e3:.1f}", f"{r['in_run_s'] * 1e3:.1f}", f"{100 * r['delta_s'] / alone:.0f}%",
-                     f"{100 * net / alone:.0f}%", f"{100 * r['delta_error_s'] / alone:.0f}%"]
+            predicted = (f"{r['predicted_old_s'] * 1e3:.1f} / {r['predicted_new_s'] * 1e3:.1f}"
+                         if r["predicted_new_s"] else "")
+            cells = [f"{alone * 1e3:.1f}", predicted, f"{r['in_run_s'] * 1e3:.1f}",
+                     f"{100 * r['delta_s'] / alone:.0f}%", f"{100 * net / alone:.0f}%",
+                     f"{100 * r['delta_error_s'] / alone:.0f}%"]
         table.append((name, f"{r['offloaded']}/{r['chunks']}", f"{r['step_s'] * 1e3:.0f}",
                       f"{r['optimizer_s'] * 1e3:.1f}", *cells))
-    print_table(("placement", "offloaded", "step ms", "optim ms (main)", "update alone ms", "update in run ms",
-                 "exposed", "exposed, net", "+-"), table)
+    print_table(("placement", "offloaded", "step ms", "optim ms (main)", "update alone ms",
+                 "predicted ms (before / now)", "update in run ms", "exposed", "exposed, net", "+-"), table)
     print()
 
 
