@@ -177,9 +177,44 @@ def device_total_bytes(device: torch.device, local_world_size: int) -> int:
 
 
 def budget_bytes(device: torch.device, limit: MemoryLimit, local_world_size: int) -> int:
-    """The device memory budget: the device's memory, or ``device_memory_limit`` of it."""
+    """The device memory budget: the device's memory, or ``device_memory_limit`` of it, and on a GPU no
+    more than this process can have of it ([Note: what a process can have of a GPU])."""
     total = device_total_bytes(device, local_world_size)
-    return total if limit is None else parse_memory_limit(limit, total)
+    budget = total if limit is None else parse_memory_limit(limit, total)
+    if device.type != "cuda":
+        return budget
+    usable = cuda_usable_bytes(device)
+    if usable < budget:
+        log.info("device memory budget %s lowered to %s: what this process can have of %s now", _gib(budget),
+                 _gib(usable), torch.cuda.get_device_name(device))
+    return min(budget, usable)
+
+
+def cuda_usable_bytes(device: torch.device) -> int:
+    """Device memory this process's caching allocator can hold: what it holds now plus what is free,
+    at most its per-process fraction of the device.
+
+    [Note: what a process can have of a GPU]
+    The device's total memory is not all the allocator's: the CUDA context, NCCL's communicator
+    buffers and, where the GPU is shared, other processes hold memory outside it, and a per-process
+    memory fraction (``torch.cuda.set_per_process_memory_fraction``) caps what it may reserve. A plan
+    searched for the total would run out of memory at its first step (and be recovered, one step
+    lost). So on a GPU the budget is at most the memory free now plus what this process's allocator
+    already reserved, and at most the fraction; the planner takes the smallest over ranks, since
+    every rank runs rank 0's plan. Measured once, at planning, after the hardware profile ran its
+    collectives (so NCCL's buffers exist). Memory another process takes later is not foreseen: that
+    is what recovery is for ([Note: recovering from out of memory] in recovery.py).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    usable = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
+    if fraction is not None:
+        usable = min(usable, int(fraction(device) * total))
+    return usable
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 def host_memory_bytes(limit: MemoryLimit, local_world_size: int) -> int:
@@ -316,7 +351,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
     with preserved_rng(cuda=device.type == "cuda"):
         # collective: before anything may fail
         hw = measure_hardware(device, group, compute_dtype, hardware, offload.nvme_path)
-        budget = budget_bytes(device, memory_limit, local_world_size)
+        budget = _least(budget_bytes(device, memory_limit, local_world_size), device, group)
         seconds["hardware"], clock = time.perf_counter() - clock, time.perf_counter()
         try:
             profile = trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw, device=device,
@@ -439,6 +474,15 @@ def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dty
         reduce_in_fp32=not true_low_precision,
         allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes,
         updates_in_backward=updates_in_backward)
+
+
+def _least(budget: int, device: torch.device, group: Group) -> int:
+    """The smallest ``budget`` over ranks on a GPU, where what each process can have differs (on the CPU
+    every rank computes the same)."""
+    if device.type != "cuda" or group.world_size == 1:
+        return budget
+    values = torch.tensor([-float(budget)], dtype=torch.float64, device=device)
+    return int(-collectives.all_reduce_max(values, group).item())
 
 
 def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:

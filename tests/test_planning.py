@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -15,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_elixir.demos.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy
-from lightning_elixir.planner import OffloadSettings, plan_automatically
+from lightning_elixir.planner import OffloadSettings, budget_bytes, plan_automatically
 from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
@@ -154,3 +155,19 @@ def test_auto_offloads_below_the_all_device_minimum_and_counts_what_it_predicted
         for key, where in (("device_state_bytes", "device"), ("host_bytes", "cpu")):
             assert predicted[key] - padding[where] == counted[key], (key, counted[key], predicted[key])
         assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.parametrize("limit, fraction, budget_gib", [
+    (None, 1.0, 72),      # the device's 80 GiB, but 8 GiB are held outside this process's allocator
+    ("40GiB", 1.0, 40),   # a limit below what the process can have stands
+    ("79GiB", 1.0, 72),   # one above it is lowered
+    (None, 0.25, 20),     # a per-process memory fraction caps what the allocator may reserve
+])
+def test_a_gpu_budget_is_no_more_than_the_process_can_have(monkeypatch, limit, fraction, budget_gib):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
+    assert budget_bytes(torch.device("cuda", 0), limit, 1) == budget_gib * gib
