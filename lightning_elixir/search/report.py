@@ -117,6 +117,9 @@ class SearchReport:
     min_offload_gain: float = 0.0
     """How much faster a plan that offloads more chunks must be predicted to win ([Note: offloading for
     speed] in search.py): candidates listed faster than the winner were overruled by it."""
+    updates_in_backward: bool = False
+    """Whether host-memory chunks' updates were priced to start as their gradients land in backward
+    (``SearchOptions.updates_in_backward``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -148,7 +151,9 @@ class SearchReport:
         if not w.offloaded:
             return counts + reason
         m = self.memory
-        return (f"{counts}{reason}; host work {format_ms(c.host_work_s)}, exposed {format_ms(c.exposed_host_s)}; "
+        started = " (started in backward)" if self.updates_in_backward and w.cpu_chunks else ""
+        return (f"{counts}{reason}; host work {format_ms(c.host_work_s)}{started}, exposed "
+                f"{format_ms(c.exposed_host_s)}; "
                 f"host memory {format_bytes(m.host_bytes)}, nvme {format_bytes(m.nvme_bytes)}")
 
     def summary(self) -> str:

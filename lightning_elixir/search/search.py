@@ -280,7 +280,7 @@ def _report(ranked: list[_Evaluated], spaces: list[_Space], model: ModelProfile,
     return SearchReport(budget_bytes, options.world_size, options.micro_batches, top, best.cost, memory,
                         layouts, bound_s, reason, evaluated,
                         _placement_reason(best, min(ranked, key=lambda e: e.key), model, budget_bytes, options),
-                        options.min_offload_gain)
+                        options.min_offload_gain, options.updates_in_backward)
 
 
 def _placement_reason(best: _Evaluated, fastest: _Evaluated, model: ModelProfile, budget_bytes: int,

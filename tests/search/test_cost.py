@@ -197,6 +197,8 @@ def test_the_report_says_where_chunks_went_and_why():
     assert report.placement_reason.startswith("all-device state with 2 cache blocks")
     _, report = search(MODEL, HARDWARE, 10_000, OPTIONS)
     assert "placement: 2 device, 0 cpu, 0 nvme: all state on the device" in report.summary()
+    _, report = search(MODEL, HARDWARE, 4000, dataclasses.replace(OPTIONS, updates_in_backward=True))
+    assert "host work 3000.00ms (started in backward), exposed" in report.summary()
 
 
 # A GPU-like machine (profiles.hardware(): PCIe 4 host link, CPU AdamW at 1e9 elements/s). Four
