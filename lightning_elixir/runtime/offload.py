@@ -52,15 +52,20 @@ parameter can turn out unused at the step ([Note: unused parameters] in grads.py
 chunks in host memory (NVMe chunks keep the step's read-ahead). The started chunks' gradients are
 hidden from the user's views until the step has run, as the step's own launch hides them, and the
 step checks that the hyperparameters it would have used are the ones the update used (it warns if
-not: code the strategy could not see changed them).
+not: code the strategy could not see changed them). Gradients land in the reverse of the order the
+next forward needs the chunks, so when the worker falls behind, the chunk it takes next is the one
+needed first of those that have landed, not the one that landed first: otherwise the first layers'
+chunks, landing last, would wait behind every other update while the next forward waits for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -172,6 +177,11 @@ class OffloadEngine:
         """(id(optimizer), chunk index) -> the hyperparameters an update started in backward used, and the
         gradients it hid from the user's views; taken by that optimizer's next launch."""
         self._warned_hypers = False
+        self._order = {chunk.index: i for i, chunk in enumerate(self.chunks)}
+        """Chunk index -> its place in the order the next forward needs the chunks (private first)."""
+        self._waiting: list[tuple[int, int, list[_Job]]] = []
+        """Updates started in backward, not yet taken by the worker: a heap by ``_order``."""
+        self._waiting_lock = threading.Lock()
         if self.nvme:
             self._relayout((("master", self.nvme[0].master.dtype),))
 
@@ -260,7 +270,16 @@ class OffloadEngine:
             assert self._worker is not None
             chunk.pending_update = jobs[-1].future  # the worker runs them in order
             self.early_updates += len(jobs)
-            self._worker.submit(self._run, jobs)
+            with self._waiting_lock:
+                heapq.heappush(self._waiting, (self._order[chunk.index], chunk.index, jobs))
+            self._worker.submit(self._run_waiting)  # one task per entry: each runs the best entry waiting then
+
+    def _run_waiting(self) -> None:
+        """On the worker: run the updates of the chunk started in backward that the next forward needs
+        first, of those whose gradients have landed ([Note: updates started in backward])."""
+        with self._waiting_lock:
+            _, _, jobs = heapq.heappop(self._waiting)
+        self._run(jobs)
 
     def _check_hypers(self, used: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
         if not self._warned_hypers and repr(used) != repr(now):

@@ -71,14 +71,16 @@ Every overlap assumption of the search lives here and in ``timeline``, ``step_co
 5. Updates started in backward ([Note: updates started in backward] in runtime/offload.py). When the
    runtime will start them (``SearchOptions.updates_in_backward``), the update of a chunk in host
    memory starts when its gradient shard of the last micro-batch has landed on the host (its copy
-   is done: the runtime starts it when the reduction is retired, a little later), in landing
-   order; NVMe chunks follow at the step's launch as in rule 3. One worker: each update starts at
-   the later of its start and the end of the one before. Deadlines and the worst wait are rule 3's.
+   is done: the runtime starts it when the reduction is retired, a little later); NVMe chunks
+   follow at the step's launch as in rule 3. One worker: whenever it is free it
+   takes, of the chunks landed by then, the one first in the update order (rule 3's order), as the
+   runtime's worker does. Deadlines and the worst wait are rule 3's.
    Where the host is the device nothing changes: the whole worker time stays in sequence.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
@@ -385,16 +387,36 @@ def exposed_host_s(tl: Timeline, gather_s: tuple[float, ...], placement: Placeme
     (start, chunk) of the updates started in backward, in the order they start (rule 5); the others
     follow them at ``launch_s``."""
     offloaded, work_s, first_use_s = placement.offloaded, placement.worker_s, tl.first_use_s
-    early = {c for _, c in started}
-    queue = [(t, c) for t, c in started] + [(launch_s, c) for c in tl.update_order if offloaded[c] and c not in early]
     # Times relative to next_start_s, so that small updates late in a long step keep their digits.
-    done_s, worst_s = float("-inf"), 0.0
-    for start_s, c in queue:
-        done_s = max(done_s, start_s - next_start_s) + work_s[c]
-        late_s = done_s - max(first_use_s[c] - gather_s[c], 0.0)
-        if late_s > worst_s:
-            worst_s = late_s
-    return worst_s
+    order = {c: i for i, c in enumerate(tl.update_order)}
+    landed = sorted((t - next_start_s, order[c], c) for t, c in started)
+    early = {c for _, _, c in landed}
+    runs = _best_landed_first(landed, work_s)
+    free_s = runs[-1][0] if runs else float("-inf")
+    for c in tl.update_order:
+        if offloaded[c] and c not in early:
+            free_s = max(free_s, launch_s - next_start_s) + work_s[c]
+            runs.append((free_s, c))
+    return max([0.0] + [done_s - max(first_use_s[c] - gather_s[c], 0.0) for done_s, c in runs])
+
+
+def _best_landed_first(landed: list[tuple[float, int, int]], work_s: tuple[float, ...]) -> list[tuple[float, int]]:
+    """(done, chunk) of the updates started in backward, in the order the one worker runs them: when it
+    is free, the landed chunk first in the update order ([Note: updates started in backward]);
+    ``landed`` is (landing time, place in the update order, chunk), sorted by time."""
+    runs: list[tuple[float, int]] = []
+    ready: list[tuple[int, int]] = []
+    free_s, i = float("-inf"), 0
+    while i < len(landed) or ready:
+        if not ready:
+            free_s = max(free_s, landed[i][0])
+        while i < len(landed) and landed[i][0] <= free_s:
+            heapq.heappush(ready, landed[i][1:])
+            i += 1
+        _, c = heapq.heappop(ready)
+        free_s += work_s[c]
+        runs.append((free_s, c))
+    return runs
 
 
 def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost, host_hides: bool,

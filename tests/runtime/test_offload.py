@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -250,4 +251,34 @@ def test_the_worker_leaves_a_core_to_the_thread_that_feeds_an_accelerator():
         assert torch.get_num_threads() == main
     finally:
         runtime.offload.close()
+        runtime.restore_module()
+
+
+def test_the_worker_takes_the_landed_update_needed_first():
+    # Every chunk's update starts in backward while the worker is held busy: gradients land last layer
+    # first, and the worker, once free, takes them in the forward's order ([Note: updates started in backward]).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    plan = ElixirPlan(chunk_numel=72, cache_blocks="all")
+    plan = dataclasses.replace(plan, world_size=1, chunks=tuple(dataclasses.replace(s, placement="cpu")
+                                                                for s in resolve_specs(model, plan, 1)))
+    runtime = ElixirRuntime(model, plan)
+    optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    engine, order, gate = runtime.offload, [], threading.Event()
+    update = engine._update
+    engine._update = lambda job, read: (order.append(job.chunk.index), update(job, read))
+    try:
+        engine._worker.submit(gate.wait)
+        engine.early = True
+        try:
+            model(torch.randn(2, 8)).square().mean().backward()
+        finally:
+            engine.early = False
+            gate.set()
+        optimizer_step(runtime, optimizer)
+        engine.settle()
+        assert engine.early_updates == len(runtime.chunks) == 4
+        assert order == sorted(order)  # landed 3, 2, 1, 0; run 0, 1, 2, 3
+    finally:
+        engine.close()
         runtime.restore_module()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lightning_elixir.plan import ElixirPlan
 from lightning_elixir.search import SearchOptions, build_layout, evaluate_plan, search, step_time_s
-from lightning_elixir.search.cost import chunk_times, host_floor_s, placement_cost
+from lightning_elixir.search.cost import _best_landed_first, chunk_times, host_floor_s, placement_cost
 from tests.search.profiles import chain_profile, chain_profiles, flat_hardware, hardware, hardwares
 
 # Two modules with one 100-element parameter each, one chunk each, world size 2 (shards of 50), bf16.
@@ -371,3 +371,12 @@ def test_updates_started_in_backward_start_as_their_gradients_land():
         started = evaluate_plan(plan("all", 1, placements), MODEL, hardware, early).cost
         assert started == at_step
 
+
+
+def test_the_worker_takes_the_landed_chunk_needed_first():
+    # Chunks 2, 1, 0 land at 0, 1 and 1.5 s (the reverse of the forward's order), 2 s of work each. The
+    # worker takes chunk 2 at once; free at 2, it finds 1 and 0 landed and takes 0, needed first.
+    landed = [(0.0, 2, 2), (1.0, 1, 1), (1.5, 0, 0)]  # (time, place in the update order, chunk)
+    assert _best_landed_first(landed, (2.0, 2.0, 2.0)) == [(2.0, 2), (4.0, 0), (6.0, 1)]
+    # Idle between landings: each starts as it lands.
+    assert _best_landed_first([(0.0, 1, 1), (5.0, 0, 0)], (1.0, 1.0)) == [(1.0, 1), (6.0, 0)]
