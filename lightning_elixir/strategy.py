@@ -689,6 +689,7 @@ class ElixirStrategy(ParallelStrategy):
         """A forward-only loop has no optimizer step that compares what the ranks gathered: compare it
         now ([Note: silent divergence] in runtime/collectives.py)."""
         if self.runtime is not None:
+            self.runtime.read_agreement()
             agreed_max(torch.zeros(0, device=self.root_device), self.runtime.group)
 
     @contextmanager
@@ -794,6 +795,8 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.runtime is not None:
+            self.runtime.read_agreement()  # a divergence is reported before its weights are saved
         if self.state_dict_type == "sharded" and self.runtime is not None:
             save_sharded_checkpoint(self, checkpoint, filepath)
         else:
@@ -826,6 +829,8 @@ class ElixirStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         remove_averages(self._averaging)
         self._averaging = []
+        if self.runtime is not None and not self._failed:
+            self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
         if self.runtime is not None and self._failed:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
                 self.runtime.offload.close()  # the shards stay; NVMe files go

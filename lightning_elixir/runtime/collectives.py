@@ -59,8 +59,12 @@ different chunks. Nothing fails, and the values are wrong. So each group keeps o
 the chunks it has all-gathered and one of the chunks it has reduce-scattered, in order, and
 ``agreed_max`` compares them across ranks inside an all-reduce that happens anyway: the one that
 decides which parameters no rank used, before every optimizer step (runtime/grads.py). A
-mismatch raises ``RankDivergenceError`` before the update is applied. Forward-only loops
-(validation, test, prediction) have no such all-reduce; the strategy checks once at the end of each.
+mismatch raises ``RankDivergenceError``: before the update is applied on a CPU; on a GPU, where
+every parameter was used on this rank (so there is nothing to decide), the result is read at the
+next optimizer step instead, or before a checkpoint is written or the runtime is let go (reading it
+at once made the host wait for the device at every step, which DDP does not: [Note: reading the
+agreement later] in grads.py). Forward-only loops (validation, test, prediction) have no such
+all-reduce; the strategy checks once at the end of each.
 """
 
 from __future__ import annotations
@@ -394,17 +398,37 @@ def agreed_max(values: torch.Tensor, group: Group) -> list[float]:
     """The elementwise max over ranks of a 1-D float32 ``values``, as a list, in the same all-reduce
     checking that every rank gathered and reduced the same chunks since the last check ([Note:
     silent divergence]); raises ``RankDivergenceError`` otherwise. Resets the signature."""
-    signature = [float(s) for s in group.signature for s in (s, -s)]
-    group.signature[:] = [0, 0]
-    if group.world_size == 1:
-        return values.tolist()
-    extra = torch.tensor(signature, dtype=torch.float32, device=values.device)
-    out = all_reduce_max(torch.cat([values.float(), extra]), group).tolist()
-    n = values.numel()
-    for kind, (high, neg_low) in enumerate(zip(out[n::2], out[n + 1::2])):
-        if high != -neg_low:
-            raise RankDivergenceError(_diverged_message(group, ("all-gathers", "reduce-scatters")[kind]))
-    return out[:n]
+    return Agreement.start(values, group).values()
+
+
+@dataclass
+class Agreement:
+    """An ``agreed_max`` whose all-reduce is issued now and whose result is read (and checked) by
+    ``values``: on a GPU, reading it at once makes the host wait for the device."""
+
+    out: torch.Tensor
+    """The reduced values, then the signature's (maximum, negated minimum) per kind."""
+    count: int
+    """How many of ``out`` are the caller's values."""
+    group: Group
+
+    @classmethod
+    def start(cls, values: torch.Tensor, group: Group) -> "Agreement":
+        """Issue the all-reduce of ``values`` and the group's signature; reset the signature."""
+        signature = [float(s) for s in group.signature for s in (s, -s)]
+        group.signature[:] = [0, 0]
+        if group.world_size == 1:
+            return cls(values, values.numel(), group)
+        extra = torch.tensor(signature, dtype=torch.float32, device=values.device)
+        return cls(all_reduce_max(torch.cat([values.float(), extra]), group), values.numel(), group)
+
+    def values(self) -> list[float]:
+        """The maximum over ranks of the values; raises ``RankDivergenceError`` where the ranks' signatures differ."""
+        out, n = self.out.tolist(), self.count
+        for kind, (high, neg_low) in enumerate(zip(out[n::2], out[n + 1::2])):
+            if high != -neg_low:
+                raise RankDivergenceError(_diverged_message(self.group, ("all-gathers", "reduce-scatters")[kind]))
+        return out[:n]
 
 
 def fingerprint(value: Any) -> float:

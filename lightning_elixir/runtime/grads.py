@@ -29,7 +29,8 @@ per shard view (did this rank see its gradient since the shard was last overwrit
 maximum over the ranks, and sets the gradient of the views that no rank saw back to None. A
 parameter used on some ranks only keeps its gradient (the others contributed zero), exactly as
 DDP averages it. The exchange is one small all-reduce per optimizer step, which also compares what
-the ranks gathered ([Note: silent divergence] in collectives.py).
+the ranks gathered ([Note: silent divergence] in collectives.py); on a GPU a rank that saw every
+gradient reads it only at the next step ([Note: reading the agreement later]).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class GradientFlow:
         self.offload = offload
         self.reductions = Reductions(table.chunks, offload, table.chunk_views)
         self.hyperparameters_differ = False
+        self.read_later = False
+        """Whether an agreement this rank has nothing to decide from is read at the next step
+        ([Note: reading the agreement later]); set where reading it waits for a device."""
+        self._unread: Optional[tuple[collectives.Agreement, Any]] = None
         """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
         self._elsewhere: Optional[frozenset[int]] = None
 
@@ -123,23 +128,52 @@ class GradientFlow:
         rank computed alone (ReduceLROnPlateau on an unsynced loss) gives each rank its own lr, and each
         rank would update its shard with it. Under DDP the replicas drift apart instead; neither is
         what the user meant, so a warning says so, once."""
+        self.read_agreement()
         stepped = {id(q) for g in optimizer.param_groups for q in g["params"]}
         pairs = [(pid, view) for pid, view in self.table.views.items() if view.requires_grad and id(view) in stepped]
         seen = self.reductions.seen
         hyper = _hyperparameter_print(optimizer)
-        local = torch.tensor([float(pid in seen) for pid, _ in pairs] + [hyper, -hyper], dtype=torch.float32,
-                             device=device)
-        *used, high, neg_low = collectives.agreed_max(local, group)
+        flags = [float(pid in seen) for pid, _ in pairs]
+        local = torch.tensor(flags + [hyper, -hyper], dtype=torch.float32, device=device)
+        agreement = collectives.Agreement.start(local, group)
+        if self.read_later and all(flags):  # used here: used somewhere, so no gradient goes back to None
+            self._unread = (agreement, optimizer)
+            return
+        self._settle(agreement, optimizer, pairs)
+
+    def read_agreement(self) -> None:
+        """Read and check the agreement left unread at the last optimizer step, if any
+        ([Note: reading the agreement later]): raises ``RankDivergenceError`` if the ranks diverged."""
+        if self._unread is not None:
+            (agreement, optimizer), self._unread = self._unread, None
+            self._settle(agreement, optimizer, [])
+
+    def forget_agreement(self) -> None:
+        """Drop the agreement left unread: its all-reduce ran on a group that was given up."""
+        self._unread = None
+
+    def _settle(self, agreement: collectives.Agreement, optimizer: Any, pairs: list[tuple[int, Any]]) -> None:
+        *used, high, neg_low = agreement.values()
         if high != -neg_low and not self.hyperparameters_differ:
             self.hyperparameters_differ = True
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             log.warning("rank %d: the optimizer's hyperparameters differ between ranks (here: %s), so each rank "
                         "updates its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) "
-                        "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", group.rank,
+                        "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", agreement.group.rank,
                         groups)
         for (_, view), anywhere in zip(pairs, used):
             if not anywhere:
                 view.grad = None
+        # [Note: reading the agreement later]
+        # Reading the all-reduce's result on the host waits for the device to finish the backward, so
+        # the loop's host work between steps (the optimizer's launches, Lightning's hooks and logging,
+        # the next batch) then runs while the device idles; DDP without find_unused_parameters never
+        # waits there. The result decides something on this rank only where it saw no gradient of a
+        # parameter (did any rank?). Where it saw every one, it only checks what the ranks did (the
+        # signatures of [Note: silent divergence], the hyperparameters), so on a GPU it is read at the
+        # next optimizer step, when the device has long finished it, or before a checkpoint is written
+        # (ElixirRuntime.read_agreement). Every rank issues the same all-reduce either way; a divergence
+        # is then reported one step later, before anything is saved.
 
     def hide_elsewhere(self, optimizer: Any) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Hide from ``optimizer``'s step the (empty) gradients of its views held elsewhere that have their

@@ -113,6 +113,7 @@ class ElixirRuntime:
         grow = grow_cache or spare_blocks(self.plan.cache_blocks) is not None  # "min", "min+K": grown as needed
         self.cache = ChunkCache(self.table.public, capacity, grow, self.plan.prefetch_depth)
         self.grads = GradientFlow(self.table, self.offload)
+        self.grads.read_later = self.device.type != "cpu"  # [Note: reading the agreement later] in grads.py
         self.access = AccessGuard(self.table, self.cache, self.grads)
         self.protocol = StepProtocol(module, self.table, self.cache, self.access, self.grads, self.group,
                                      broadcast_buffers)
@@ -320,9 +321,15 @@ class ElixirRuntime:
         """Issue every later collective on ``group`` (the same ranks, a fresh process group): after a step
         was given up, the old group may hold collectives some ranks issued and others never will."""
         assert (group.rank, group.world_size) == (self.group.rank, self.group.world_size)
+        self.grads.forget_agreement()  # its all-reduce ran on the old group, which some ranks may not have joined
         self.group = self.protocol.group = group
         for chunk in self.chunks:
             chunk.group = group
+
+    def read_agreement(self) -> None:
+        """Check the ranks' agreement of the last optimizer step if it was left unread ([Note: reading the
+        agreement later] in grads.py): before anything is saved, and when the run ends."""
+        self.grads.read_agreement()
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""

@@ -129,6 +129,36 @@ def _lrs_differ(rank: int, group: Group, plan: ElixirPlan, lr_by_rank: tuple[flo
     return runtime.hyperparameters_differ
 
 
+def _read_later(rank: int, group: Group, plan: ElixirPlan) -> dict[str, Any]:
+    """With the agreement read at the next step ([Note: reading the agreement later] in grads.py, on by
+    default on a GPU): different lrs, then reduce-scatters that differ by hand. Each step completes; the
+    next step's read (or ``read_agreement``) notices."""
+    torch.manual_seed(0)
+    model = Stack()
+    runtime = ElixirRuntime(model, plan, group=group)
+    runtime.grads.read_later = True
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=(0.1, 0.05)[rank]))
+
+    def step(seed: int) -> None:
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(seed + rank))).pow(2).mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+
+    out = {}
+    step(0)
+    out["noticed_after_the_step"] = runtime.hyperparameters_differ
+    step(10)  # reads the first step's agreement
+    out["noticed_at_the_next"] = runtime.hyperparameters_differ
+    group.note(1, 5 + rank)  # as if the ranks had reduce-scattered different chunks
+    step(20)
+    try:
+        runtime.read_agreement()
+        out["error"] = None
+    except RankDivergenceError as err:
+        out["error"] = str(err)
+    return out
+
+
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     zero3 = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=CACHE_MIN)
     two_blocks = ElixirPlan(chunk_numel=LAYER_NUMEL, cache_blocks=2)
@@ -136,6 +166,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "signatures": _signatures(rank, _fresh_group(rank, world_size, TIMEOUT_S)),
         "lrs_differ": _lrs_differ(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3, (0.1, 0.05)),
         "lrs_agree": _lrs_differ(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3, (0.1, 0.1)),
+        "read_later": _read_later(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "evaluate_swapped": _evaluate_swapped(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "bounded": _train(rank, _fresh_group(rank, world_size, TIMEOUT_S), zero3),
         "unbounded": _train(rank, _fresh_group(rank, world_size, None), zero3),
@@ -262,3 +293,11 @@ def test_the_timeout_is_validated():
             Group(None, 0, 1, bad)
     assert Group(None, 0, 1).timeout_s == collectives.DEFAULT_TIMEOUT_S
     assert Group(None, 0, 1, None).timeout_s is None
+
+
+def test_an_agreement_read_at_the_next_step_still_notices_what_differs(results):
+    for rank, result in enumerate(results):
+        outcome = result["read_later"]
+        assert not outcome["noticed_after_the_step"] and outcome["noticed_at_the_next"]
+        assert outcome["error"] is not None and outcome["error"].startswith(f"rank {rank}: ")
+        assert "reduce-scatters for different chunks" in outcome["error"]
