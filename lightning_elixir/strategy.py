@@ -429,6 +429,7 @@ class ElixirStrategy(ParallelStrategy):
         accumulated so far; [Note: switching plans] in runtime/replan.py). ``budget_bytes``: the budget
         ``plan`` was searched for, when it is not the first search's (a recovery lowered it)."""
         assert self.runtime is not None
+        self.runtime.read_agreement()  # the last step's, before its runtime goes (dropped if its group was given up)
         self._recompute(plan)
         accumulating = self.runtime.protocol.accumulating  # a switch between micro-batches: still inside no_sync
         self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
