@@ -22,6 +22,8 @@ import statistics
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elixir.planner import OffloadSettings, PlanningResult, plan_for_trainer
@@ -30,6 +32,29 @@ from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.phases import PHASES
 from lightning_elixir.search.calibrate import Decision, SelfCorrection, StepMeasurement, reconsider
 from lightning_elixir.search.report import format_bytes, format_ms
+
+
+BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step",
+                             "configure_gradient_clipping", "optimizer_step")
+"""LightningModule hooks that run between a backward and its optimizer step, around both, or run the
+backward itself (``retain_graph``: a second backward would read parameters already updated)."""
+
+
+def updates_start_in_backward(module: Any, wanted: Optional[bool], accelerator: bool, fp16_scaler: bool,
+                              gradient_clip_val: Any, callbacks: Any = ()) -> bool:
+    """Whether offloaded updates start in the backward that ends an accumulation, as far as the
+    configuration tells before fit ([Note: updates started in backward] in runtime/offload.py): asked
+    for (``wanted``; None: on an accelerator), and nothing between backward and step can change them
+    (automatic optimization, no fp16 loss scaling, no clipping, none of those hooks overridden by the
+    module or a callback). The strategy applies it at every backward, and the search prices for it."""
+    if not (accelerator if wanted is None else wanted):
+        return False
+    if not module.automatic_optimization or fp16_scaler or gradient_clip_val:
+        return False
+    if any(is_overridden(name, module) for name in BETWEEN_BACKWARD_AND_STEP):
+        return False
+    return not any(is_overridden(name, callback, Callback) for callback in callbacks
+                   for name in ("on_after_backward", "on_before_optimizer_step"))
 
 
 class AutoPlanner:

@@ -40,6 +40,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_elixir.autoplan import updates_start_in_backward
 from lightning_elixir.plan import PlanError
 from lightning_elixir.planner import PlanningResult, search_options, search_with_recomputation, with_private_params
 from lightning_elixir.recompute import recomputing
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 
 PROG = "lightning-elixir plan"
 _FIT_ONLY = {"model", "train_dataloaders", "val_dataloaders", "datamodule"}
-_STRATEGY_KEYS = ("device_memory_limit", "host_memory_limit", "private_params", "nvme_path")
+_STRATEGY_KEYS = ("device_memory_limit", "host_memory_limit", "private_params", "nvme_path", "updates_in_backward")
 """ElixirStrategy options in the config that planning honours (command-line options win)."""
 
 DESCRIPTION = """\
@@ -129,6 +130,8 @@ class ConfigInputs:
     """The trainer's precision flag, e.g. "bf16-mixed"."""
     micro_batches: int
     """``trainer.accumulate_grad_batches``."""
+    gradient_clip_val: Any
+    """``trainer.gradient_clip_val`` (clipping holds offloaded updates until the step)."""
     devices: Optional[int]
     """``trainer.devices x trainer.num_nodes`` when the config gives a number, else None."""
     strategy: Mapping[str, Any]
@@ -166,7 +169,8 @@ def read_config(configs: Sequence[str], overrides: Sequence[str]) -> ConfigInput
     return ConfigInputs(
         module=reader.model, batch=example_batch(reader.model, reader.datamodule),
         precision=str(_convert_precision_to_unified_args(trainer.precision or "32-true")),
-        micro_batches=int(trainer.accumulate_grad_batches), devices=_config_devices(trainer),
+        micro_batches=int(trainer.accumulate_grad_batches), gradient_clip_val=trainer.gradient_clip_val,
+        devices=_config_devices(trainer),
         strategy=_strategy_options(trainer.strategy), strategy_is_class=hasattr(trainer.strategy, "class_path"))
 
 
@@ -234,11 +238,14 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
                                     hardware=hardware, device="cpu", param_dtype=policy.compute_dtype)
         return with_private_params(profile, inputs.strategy.get("private_params", ()))
 
+    early = updates_start_in_backward(inputs.module, inputs.strategy.get("updates_in_backward"),
+                                      hardware.device_name != "cpu", inputs.precision == "16-mixed",
+                                      inputs.gradient_clip_val)  # the config's callbacks are not built
     options = search_options(devices, inputs.micro_batches, policy.compute_dtype, policy.autocast_dtype,
-                             nvme_available=nvme, host_memory_bytes=host_bytes)
+                             nvme_available=nvme, host_memory_bytes=host_bytes, updates_in_backward=early)
     plan, report, profile, notes = search_with_recomputation(inputs.module, traced(), traced, hardware, budget, options)
     return PlanningResult(plan, report, profile, hardware, budget, options=options,
-                          notes=notes + _notes(hardware, devices, host_bytes))
+                          notes=notes + _notes(hardware, devices, host_bytes, early))
 
 
 def _ranks_per_machine(hardware: HardwareProfile, devices: int) -> int:
@@ -265,9 +272,12 @@ def _host_bytes(limit: Any, local_world_size: int) -> Optional[int]:
     return nbytes // local_world_size
 
 
-def _notes(hardware: HardwareProfile, devices: int, host_bytes: Optional[int]) -> tuple[str, ...]:
+def _notes(hardware: HardwareProfile, devices: int, host_bytes: Optional[int], early: bool = False) -> tuple[str, ...]:
     """Caveats about the inputs, for the printed result."""
     notes = [f"hardware: {note}" for note in hardware.notes]
+    if early:
+        notes.append("offloaded updates priced to start in backward (a callback of the config that overrides "
+                     "on_after_backward or on_before_optimizer_step would hold them until the step)")
     if hardware.world_size != devices:
         notes.append(f"the hardware profile's collectives were measured on {hardware.world_size} rank(s), the plan "
                      f"is for {devices}: all-gather and reduce-scatter times may be off")

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelPruning
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer import call
@@ -33,7 +33,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -47,7 +46,7 @@ from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
-from lightning_elixir.autoplan import AutoPlanner
+from lightning_elixir.autoplan import AutoPlanner, updates_start_in_backward
 from lightning_elixir.recompute import Recomputation
 from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
 from lightning_elixir.profile.types import HardwareProfile
@@ -68,12 +67,6 @@ log = logging.getLogger(__name__)
 
 _SHARDED_LOADED = "_elixir_sharded_loaded"
 """Marks a checkpoint dict whose model and optimizer state ``load_checkpoint`` already loaded from shards."""
-
-
-_BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step",
-                              "configure_gradient_clipping", "optimizer_step")
-"""LightningModule hooks that run between a backward and its optimizer step, around both, or run the
-backward itself (``retain_graph``: a second backward would read parameters already updated)."""
 
 
 def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:
@@ -615,26 +608,11 @@ class ElixirStrategy(ParallelStrategy):
 
     def updates_will_start_in_backward(self) -> bool:
         """Whether offloaded updates start in the backward that ends an accumulation, as far as the
-        configuration tells before fit: asked for (or on an accelerator), and nothing between backward
-        and step can change them. The search prices the plan for it."""
-        wanted = self.updates_in_backward
-        if not (self.root_device.type != "cpu" if wanted is None else wanted):  # None: on an accelerator only
-            return False
-        return self._nothing_between_backward_and_step()
-
-    def _nothing_between_backward_and_step(self) -> bool:
+        configuration tells before fit (``autoplan.updates_start_in_backward``)."""
         module = self.lightning_module
-        trainer = module.trainer
-        if not module.automatic_optimization:
-            return False
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            return False  # fp16: the step may be skipped
-        if trainer.gradient_clip_val:
-            return False
-        if any(is_overridden(name, module) for name in _BETWEEN_BACKWARD_AND_STEP):
-            return False
-        return not any(is_overridden(name, callback, Callback) for callback in trainer.callbacks
-                       for name in ("on_after_backward", "on_before_optimizer_step"))
+        return updates_start_in_backward(module, self.updates_in_backward, self.root_device.type != "cpu",
+                                         getattr(self.precision_plugin, "scaler", None) is not None,
+                                         module.trainer.gradient_clip_val, module.trainer.callbacks)
 
     def _recover(self, err: BaseException, where: str, why_not: Optional[str]) -> None:
         """Every rank: give up the step, shrink the plan, put the micro-batch's state back ([Note: recovering

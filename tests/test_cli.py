@@ -77,6 +77,17 @@ def test_plan_reads_config_overrides_and_prints_the_fit_command(at_root, tmp_pat
     assert ElixirPlan.from_json(out).world_size == 2
 
 
+@pytest.mark.parametrize("hardware, overrides, early", [
+    (A100_X8, [], True),  # an accelerator, nothing between backward and step
+    (A100_X8, ["--trainer.gradient_clip_val", "1.0"], False),  # clipping holds the updates until the step
+    (LOCAL_CPU, [], False),  # on a CPU-only machine only when asked for
+])
+def test_plan_prices_updates_in_backward_as_the_run_would_start_them(at_root, capsys, hardware, overrides, early):
+    cli.main(["plan", "--config", "configs/gpt_cpu.yaml", "--hardware", str(hardware), "--devices", "2",
+              "--model.init_args.n_layer", "2", *overrides])
+    assert ("offloaded updates priced to start in backward" in capsys.readouterr().out) is early
+
+
 def test_example_batch_runs_the_data_module_on_fake_tensors():
     module = GPTLightningModule(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8)
     data = BigramDataModule(vocab_size=64, block_size=16, batch_size=3, num_samples=10)
