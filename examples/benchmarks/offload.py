@@ -8,7 +8,9 @@
    (as a chunk's parameters are views of its shard) with torch's implementations and with the
    runtime's own ``Shadow`` (what the offload worker runs on machines with an accelerator), against
    the memory-bandwidth bound: the copy bandwidth measured here / 28 bytes per element (AdamW reads
-   param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 7 x 4 bytes).
+   param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 7 x 4 bytes). Then the
+   thread that launches a step's work beside the worker, with the worker's threads at every core and
+   at every core but one.
 2. Exposed optimizer time, on 2 spawned gloo ranks (one CPU thread each) training the example GPT
    under plans with one chunk layout and different placements, all alive at once. A sample is two
    steps: the second is timed end to end (forward, backward, ``optimizer_step``, ``zero_grad``), so
@@ -217,6 +219,50 @@ def update_table(args: argparse.Namespace) -> None:
     rows = [(name, f"{s * 1e3:.0f}", f"{args.numel / s / 1e6:.0f}", f"{args.numel / s / fused:.2f}",
              f"{100 * args.numel / s / bound:.0f}%") for name, s in seconds.items()]
     print_table(("implementation", "ms/step", "M elements/s", "vs fused", "of bound"), rows)
+    print()
+
+
+def feeding_table(args: argparse.Namespace) -> None:
+    """The thread that launches the device's work, beside the offload worker, with the worker's intra-op
+    threads at every core and at every core but one ([Note: a core for the thread that feeds the device])."""
+    numel = args.numel // 4
+    params = [nn.Parameter(torch.zeros(numel)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizers = [torch.optim.AdamW([p]) for p in params]  # torch's CPU default, as the shadows on a CPU
+    x = torch.zeros(16)
+
+    def launches_per_s(until: Callable[[], bool]) -> float:
+        count, start = 0, time.perf_counter()
+        while not until():
+            for _ in range(64):
+                x.add_(1.0)
+            count += 64
+        return count / (time.perf_counter() - start)
+
+    def updates() -> float:
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            for optimizer in optimizers:
+                optimizer.step()
+        return (time.perf_counter() - start) / (args.repeats * len(optimizers))
+
+    threads = torch.get_num_threads()
+    rows = []
+    for count in sorted({threads, max(1, threads - 1)}, reverse=True):
+        deadline = time.perf_counter() + 1.0
+        alone = launches_per_s(lambda: time.perf_counter() > deadline)
+        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(count,)) as worker:
+            worker.submit(updates).result()  # warm-up: the state is created
+            timed = worker.submit(updates)
+            beside = launches_per_s(timed.done)
+            rows.append((str(count), f"{timed.result() * 1e3:.1f}", f"{alone / 1e3:.0f}", f"{beside / 1e3:.0f}",
+                         f"{beside / alone:.2f}"))
+    print(f"### The launching thread beside the worker: AdamW on 4 shards of {numel / 1e6:.1f}M elements in a worker "
+          f"thread, while this thread runs tiny operators (x.add_ on 16 elements) as a step's Python launches "
+          f"kernels; {threads} threads in this process\n")
+    print_table(("worker threads", "update ms/shard", "launches/s alone (k)", "beside the worker (k)", "ratio"),
+                rows)
     print()
 
 
@@ -708,6 +754,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     if not args.gpu_only:
         update_table(args)
+        feeding_table(args)
         offload_tables(args)
     gpu_table(args)
     print(f"total {time.perf_counter() - start:.0f} s")

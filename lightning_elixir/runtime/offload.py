@@ -539,11 +539,13 @@ def worker_threads(device: torch.device, threads: int) -> int:
     """The intra-op threads the offload worker updates with, where the main thread has ``threads``.
 
     [Note: a core for the thread that feeds the device]
-    The worker's AdamW is bound by host memory bandwidth, not by cores: on the 2-core CPU machine one
-    thread updated 4 chunks of 1M elements ten times in 120 ms, and two in 122-138 ms. Its threads
-    spin on every core, though, and beside them the main thread, which launches the device's kernels,
-    ran at 0.87-0.90 of its speed alone (one worker thread: 0.97). So on an accelerator the worker
-    leaves one core to the main thread. On a CPU-only machine the main thread's compute wants every
+    The worker's AdamW is bound by host memory bandwidth, not by cores: on the 2-core CPU machine it
+    updated 4 shards of 25M elements in 175 ms per shard with two threads and 176 ms with one. Its
+    threads spin on every core, though, next to the main thread, which launches the device's kernels:
+    beside the two-thread worker that thread ran at 0.80 of its speed alone, beside the one-thread
+    worker at 0.83 (examples/benchmarks/offload.py, "the launching thread beside the worker"; on 2.5M
+    elements per shard neither slowed it): a small gain, and the worker loses nothing by it. Not yet
+    measured on a GPU host. So on an accelerator the worker leaves one core to the main thread. On a CPU-only machine the main thread's compute wants every
     core and shares them with the worker anyway (the search charges host work in sequence there).
     ``torch.set_num_threads`` in the worker also sets the count threads started later begin with;
     the main thread keeps its own, which is why the count is taken from it, not from the worker.
