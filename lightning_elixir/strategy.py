@@ -127,7 +127,9 @@ class ElixirStrategy(ParallelStrategy):
         private_params: parameter names that get their own always-gathered chunk, besides the
             tied ones found automatically (parameters used outside the module that holds them).
         device_memory_limit: the memory budget per device for plan="auto": bytes, a string such as
-            "40GiB", or a fraction of the device's memory. Default: all of it.
+            "40GiB", or a fraction of the device's memory. Default: all of it. On a GPU never more
+            than the process can have when planning (free memory plus what its allocator holds,
+            within its per-process memory fraction; the least over ranks).
         hardware_profile: a HardwareProfile (or a path to its JSON) to plan with instead of
             measuring this machine, e.g. to plan for a GPU cluster from a laptop.
         nvme_path: a directory on an NVMe drive. plan="auto" may then place chunks' sharded state
