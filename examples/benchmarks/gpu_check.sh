@@ -8,7 +8,8 @@
 #   offload  the same at 16 GB, where the model's states and activations do not all fit (the planner
 #            predicts 18.5 GiB for the all-device plan): the auto plan, Elixir's all-on-host plan, FSDP2
 #            with CPU offload, DeepSpeed ZeRO-3 offload, and DDP (expected to run out of memory);
-#   table    the offload benchmark's GPU table (not run by default);
+#   table    the offload benchmark's GPU table, then its host tables: the host's AdamW, and the thread that
+#            launches kernels beside the offload worker at both thread counts (not run by default);
 #   budgets  plan="auto" at tight budgets (not run by default; about 4 minutes): the GPT at 16, 20, 24
 #            and 32 GB and the Llama workload at 20 GB; every run must complete (a step that runs out of
 #            memory is recovered and logged), the table's peak against the plan's predicted peak in the logs;
@@ -80,7 +81,9 @@ for part in ${*:-tests fits offload}; do
     tight)
       harness tight_gpt 230 16GB elixir,elixir_offload,ddp+ac,fsdp2+ac,fsdp2_offload
       harness tight_llama 230 20GB elixir,elixir_offload,ddp+ac,fsdp2+ac,fsdp2_offload llama ;;
-    table) timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt" ;;
+    table)
+      timeout 120 "$py" examples/benchmarks/offload.py --gpu-only 2>&1 | tee "$out/offload_gpu.txt"
+      timeout 90 "$py" examples/benchmarks/offload.py --host-only 2>&1 | tee "$out/offload_host.txt" ;;
     host)
       harness host 300 80GB ddp,elixir_zero2,elixir,elixir_zero3,fsdp2
       harness host_compile 200 80GB ddp+compile,elixir+compile

@@ -3,6 +3,7 @@
     python examples/benchmarks/offload.py             # the CPU tables, ~3-4 minutes on 2 cores, < 3 GB
     python examples/benchmarks/offload.py --quick     # smaller sizes, under a minute
     python examples/benchmarks/offload.py --gpu-only  # the GPU table alone (needs CUDA)
+    python examples/benchmarks/offload.py --host-only # table 1 and the launching thread beside the worker
 
 1. CPU optimizer update, in this process: AdamW over one flat fp32 shard split into parameter views
    (as a chunk's parameters are views of its shard) with torch's implementations and with the
@@ -102,6 +103,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-path", help="directory for NVMe records and dd (default: a temp dir under /tmp)")
     p.add_argument("--dd-mib", type=int, help="MiB dd moves per measurement")
     p.add_argument("--gpu-only", action="store_true", help="only the GPU table")
+    p.add_argument("--host-only", action="store_true",
+                   help="only the tables of this process: the host update and the launching thread beside it")
     p.add_argument("--gpu-n-layer", type=int, default=12)
     p.add_argument("--gpu-n-embd", type=int, default=2048)
     p.add_argument("--gpu-n-head", type=int, default=16)
@@ -755,8 +758,10 @@ def main(argv=None) -> None:
     if not args.gpu_only:
         update_table(args)
         feeding_table(args)
-        offload_tables(args)
-    gpu_table(args)
+        if not args.host_only:
+            offload_tables(args)
+    if not args.host_only:
+        gpu_table(args)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
