@@ -31,6 +31,19 @@ parameter used on some ranks only keeps its gradient (the others contributed zer
 DDP averages it. The exchange is one small all-reduce per optimizer step, which also compares what
 the ranks gathered ([Note: silent divergence] in collectives.py); on a GPU a rank that saw every
 gradient reads it only at the next step ([Note: reading the agreement later]).
+
+[Note: reading the agreement later]
+Reading the all-reduce's result on the host waits for the device to finish the backward, so the
+loop's host work between steps (the optimizer's launches, Lightning's hooks and logging, the next
+batch) then runs while the device idles; DDP without find_unused_parameters never waits there. The
+result decides something on this rank only where it saw no gradient of some parameter (did any
+rank?). Where it saw every one, it only checks what the ranks did (the signatures of [Note: silent
+divergence], the hyperparameters), so on a GPU it is read at the next optimizer step, when the
+device has long finished it, or before a checkpoint is written, a plan is switched or the run ends
+(``ElixirRuntime.read_agreement``). Every rank issues the same all-reduce either way; a divergence
+is then reported one step later, before anything is saved. A recovery from out of memory drops it
+with the group it ran on (``forget_agreement``). With it forced on, the catalog, resume, recovery
+and plan-switch suites pass on the CPU as they do without it.
 """
 
 from __future__ import annotations
@@ -59,11 +72,11 @@ class GradientFlow:
         self.offload = offload
         self.reductions = Reductions(table.chunks, offload, table.chunk_views)
         self.hyperparameters_differ = False
+        """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
         self.read_later = False
         """Whether an agreement this rank has nothing to decide from is read at the next step
         ([Note: reading the agreement later]); set where reading it waits for a device."""
         self._unread: Optional[tuple[collectives.Agreement, Any]] = None
-        """Whether an optimizer step found the optimizer's hyperparameters differing between ranks."""
         self._elsewhere: Optional[frozenset[int]] = None
 
     def arrived(self, chunk: Chunk, pid: int) -> None:
@@ -159,21 +172,11 @@ class GradientFlow:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             log.warning("rank %d: the optimizer's hyperparameters differ between ranks (here: %s), so each rank "
                         "updates its shard with its own. An LR scheduler that reads a metric (ReduceLROnPlateau) "
-                        "needs one every rank agrees on: log it with self.log(..., sync_dist=True).", agreement.group.rank,
-                        groups)
+                        "needs one every rank agrees on: log it with self.log(..., sync_dist=True).",
+                        agreement.group.rank, groups)
         for (_, view), anywhere in zip(pairs, used):
             if not anywhere:
                 view.grad = None
-        # [Note: reading the agreement later]
-        # Reading the all-reduce's result on the host waits for the device to finish the backward, so
-        # the loop's host work between steps (the optimizer's launches, Lightning's hooks and logging,
-        # the next batch) then runs while the device idles; DDP without find_unused_parameters never
-        # waits there. The result decides something on this rank only where it saw no gradient of a
-        # parameter (did any rank?). Where it saw every one, it only checks what the ranks did (the
-        # signatures of [Note: silent divergence], the hyperparameters), so on a GPU it is read at the
-        # next optimizer step, when the device has long finished it, or before a checkpoint is written
-        # (ElixirRuntime.read_agreement). Every rank issues the same all-reduce either way; a divergence
-        # is then reported one step later, before anything is saved.
 
     def hide_elsewhere(self, optimizer: Any) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Hide from ``optimizer``'s step the (empty) gradients of its views held elsewhere that have their
