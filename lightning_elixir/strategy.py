@@ -330,6 +330,15 @@ class ElixirStrategy(ParallelStrategy):
         self._set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        if backend == "nccl":
+            # [Note: no recordStream for the runtime's collectives]
+            # An asynchronous NCCL collective marks its tensors with recordStream by default, and the
+            # caching allocator then reuses a freed gradient buffer only once it has seen the NCCL
+            # stream's event, at some later allocation: buffers of the reductions in flight outlive
+            # their use, memory the plan does not count. The runtime waits for every collective it
+            # issues and keeps its tensors until then, which is what this setting needs: the group holds
+            # the references until the wait instead (read when a group is made; the user's own setting wins).
+            os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         if not _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
             # Lightning destroys only an NCCL group at exit. A gloo group left to the interpreter's
