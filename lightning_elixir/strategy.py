@@ -259,6 +259,8 @@ class ElixirStrategy(ParallelStrategy):
         if updates_in_backward not in (None, True, False):
             raise TypeError(f"updates_in_backward must be None, True or False, got {updates_in_backward!r}")
         self.updates_in_backward = updates_in_backward
+        self._starts_in_backward: Optional[bool] = None
+        """``updates_will_start_in_backward()`` for the stage set up last (the configuration does not change within it)."""
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
         if not isinstance(replan, (bool, SelfCorrection)):
@@ -385,6 +387,7 @@ class ElixirStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         check_initialized(self.model)  # before planning, which reads the shapes too
+        self._starts_in_backward = None  # this stage's trainer decides it anew
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_unsupported_callbacks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -619,11 +622,15 @@ class ElixirStrategy(ParallelStrategy):
 
     def updates_will_start_in_backward(self) -> bool:
         """Whether offloaded updates start in the backward that ends an accumulation, as far as the
-        configuration tells before fit (``autoplan.updates_start_in_backward``)."""
-        module = self.lightning_module
-        return updates_start_in_backward(module, self.updates_in_backward, self.root_device.type != "cpu",
-                                         getattr(self.precision_plugin, "scaler", None) is not None,
-                                         module.trainer.gradient_clip_val, module.trainer.callbacks)
+        configuration tells before fit (``autoplan.updates_start_in_backward``); asked once per stage,
+        not at every backward."""
+        if self._starts_in_backward is None:
+            module = self.lightning_module
+            self._starts_in_backward = updates_start_in_backward(
+                module, self.updates_in_backward, self.root_device.type != "cpu",
+                getattr(self.precision_plugin, "scaler", None) is not None, module.trainer.gradient_clip_val,
+                module.trainer.callbacks)
+        return self._starts_in_backward
 
     def _recover(self, err: BaseException, where: str, why_not: Optional[str]) -> None:
         """Every rank: give up the step, shrink the plan, put the micro-batch's state back ([Note: recovering

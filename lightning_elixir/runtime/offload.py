@@ -545,8 +545,9 @@ def worker_threads(device: torch.device, threads: int) -> int:
     beside the two-thread worker that thread ran at 0.80 of its speed alone, beside the one-thread
     worker at 0.83 (examples/benchmarks/offload.py, "the launching thread beside the worker"; on 2.5M
     elements per shard neither slowed it): a small gain, and the worker loses nothing by it. Not yet
-    measured on a GPU host. So on an accelerator the worker leaves one core to the main thread. On a CPU-only machine the main thread's compute wants every
-    core and shares them with the worker anyway (the search charges host work in sequence there).
+    measured on a GPU host. So on an accelerator the worker leaves one core to the main thread. On a
+    CPU-only machine the main thread's compute wants every core and shares them with the worker
+    anyway (the search charges host work in sequence there).
     ``torch.set_num_threads`` in the worker also sets the count threads started later begin with;
     the main thread keeps its own, which is why the count is taken from it, not from the worker.
     """
