@@ -186,11 +186,8 @@ class GradientFlow:
         They keep their gradient between steps: ``_accumulates`` in reductions.py reads zero_grad's
         ``None`` on them, also where a rank holds nothing else of a chunk."""
         views, state = self.table.views, optimizer.state
-        hidden = [(view, view.grad) for view in (views.get(pid) for pid in self.elsewhere)
-                  if view is not None and view.grad is not None and state.get(view)]
-        for view, _ in hidden:
-            view.grad = None
-        return hidden
+        return self.offload.hide(view for view in (views.get(pid) for pid in self.elsewhere)
+                                 if view is not None and state.get(view))
 
 
 def _hyperparameter_print(optimizer: Any) -> float:

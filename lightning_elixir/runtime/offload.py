@@ -232,9 +232,7 @@ class OffloadEngine:
             if all(g is None for g in grads):
                 continue
             jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, self._ready()))
-            hidden += [(view, g) for view, g in zip(shadow.user_views, grads) if g is not None]
-        for view, _ in hidden:
-            view.grad = None
+            hidden += self.hide(shadow.user_views)
         for job in jobs:
             job.chunk.pending_update = job.future
         if jobs:
@@ -260,11 +258,8 @@ class OffloadEngine:
                      for view in views]  # as the step sees them (GradientFlow.hide_elsewhere)
             if all(g is None for g in grads):
                 continue
-            hidden = [(view, view.grad) for view in views if view.grad is not None]
-            for view, _ in hidden:
-                view.grad = None
             job = _Job(chunk, shadow, shadow.snapshot(), grads, self._ready())
-            self._early[key] = (job.hypers, hidden)
+            self._early[key] = (job.hypers, self.hide(views))
             jobs.append(job)
         if jobs:
             assert self._worker is not None
@@ -292,6 +287,15 @@ class OffloadEngine:
     def started_early(self) -> bool:
         """Whether updates started in backward wait for their optimizer's step."""
         return bool(self._early)
+
+    @staticmethod
+    def hide(views: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Set the gradients of ``views`` to None (the user's step skips them); the (view, gradient) pairs
+        hidden, for ``restore``."""
+        hidden = [(view, view.grad) for view in views if view.grad is not None]
+        for view, _ in hidden:
+            view.grad = None
+        return hidden
 
     @staticmethod
     def restore(hidden: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
