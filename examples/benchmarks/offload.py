@@ -56,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from lightning_elixir.demos.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan  # noqa: E402
-from lightning_elixir.profile import bench  # noqa: E402
+from lightning_elixir.profile import bench, optimizer_bench  # noqa: E402
 from lightning_elixir.runtime.layout import resolve_specs  # noqa: E402
 from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer  # noqa: E402
 from lightning_elixir.runtime.policy import PrecisionPolicy  # noqa: E402
@@ -413,9 +413,9 @@ def predicted_updates_s(runs: dict[str, "PlanRun"]) -> dict[str, dict[str, float
     (one fused AdamW on cached state, on the main thread; the upload at the copy bandwidth) and now
     ([Note: measuring host updates]), both measured here, in this rank's threads."""
     cpu, sizes = torch.device("cpu"), bench.BenchSizes.for_device(torch.device("cpu"))
-    old_rate = bench.optimizer_numel_per_s(cpu, sizes.optimizer_numel, sizes.iters)
+    old_rate = optimizer_bench.optimizer_numel_per_s(cpu, sizes.optimizer_numel, sizes.iters)
     old_upload = bench.host_transfer_bytes_per_s(cpu, sizes)[0]
-    now = bench.host_update_costs(cpu, torch.float32, sizes)
+    now = optimizer_bench.host_update_costs(cpu, torch.float32, sizes)
     out = {}
     for name, run in runs.items():
         shards = [c.shard_numel for c in run.runtime.chunks if c.placement == "cpu"]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_elixir.profile import bench
+from lightning_elixir.profile import bench, optimizer_bench
 from lightning_elixir.profile.bench import BenchSizes, Collective
 from lightning_elixir.profile.types import HardwareProfile, ProfileError
 
@@ -42,7 +42,7 @@ v3: ``op_overhead_s`` and the matmul, attention and elementwise points, which de
 overhead, every call at the peak matmul rate and bytes at the copy bandwidth), or when what a
 field measures changes (v4: the reduce-scatter of CPU tensors became a direct exchange; v5: the host
 optimizer is timed as the offload worker runs it, with ``host_update_overhead_s`` and
-``upload_bytes_per_s``, [Note: measuring host updates] in bench.py)."""
+``upload_bytes_per_s``, [Note: measuring host updates] in optimizer_bench.py)."""
 # (size, speed) point fields: the worst case over ranks is the smallest speed at each size.
 _POINT_FIELDS = ("all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "matmul_points", "attention_points",
                  "attention_backward_points", "elementwise_points")
@@ -165,8 +165,8 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     elementwise_points = bench.elementwise_points(device, dtype, sizes)
     h2d, d2h = bench.host_transfer_bytes_per_s(device, sizes)
     latency_s, gather_points, scatter_points = _collectives(device, key.world_size, sizes, all_gather, reduce_scatter)
-    optimizer_device = bench.optimizer_numel_per_s(device, sizes.optimizer_numel, sizes.iters)
-    host_update = bench.host_update_costs(device, dtype, sizes)
+    optimizer_device = optimizer_bench.optimizer_numel_per_s(device, sizes.optimizer_numel, sizes.iters)
+    host_update = optimizer_bench.host_update_costs(device, dtype, sizes)
     nvme_read, nvme_write = bench.nvme_bytes_per_s(nvme_path, sizes.nvme_bytes) if nvme_path else (0.0, 0.0)
     overlap = bench.comm_overlap(all_gather or bench.local_copy, reduce_scatter or bench.local_copy, key.world_size,
                                  device, dtype, sizes)

@@ -192,7 +192,7 @@ class HardwareProfile:
     optimizer_cpu_numel_per_s: float
     """AdamW update speed on the host in elements per second, as the offload worker runs it: in its
     own thread, on state beyond the host's caches, beside the thread launching the device's work
-    ([Note: measuring host updates] in bench.py)."""
+    ([Note: measuring host updates] in optimizer_bench.py)."""
     nvme_read_bytes_per_s: float = 0.0
     """Read bandwidth at the NVMe path (0: not measured / no path)."""
     nvme_write_bytes_per_s: float = 0.0
