@@ -48,7 +48,7 @@ def host_update_costs(device: torch.device, compute_dtype: torch.dtype, sizes: B
     caches hold and nothing competes with. The worker updates chunks whose state is far beyond the
     caches, in a thread of its own (with that thread's share of the cores), while the main thread
     launches the device's work, and then converts the shard to the compute dtype and copies it to
-    the device ([Note: uploads of updated shards] in runtime/offload.py). So this benchmark runs that:
+    the device ([Note: uploads of updated shards] in runtime/upload.py). So this benchmark runs that:
     ``sizes.host_update_chunks`` chunks of ``host_update_numel`` fp32 shard elements, each with its own
     AdamW (fused where the host supports it, as the worker's shadows are on an accelerator), updated
     in turn in a worker thread with the worker's intra-op threads, each followed by its upload, while

@@ -81,6 +81,7 @@ from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.hotpath import label
 from lightning_elixir.runtime.nvme import NvmeStore, Page
 from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
+from lightning_elixir.runtime.upload import Uploads
 from lightning_elixir.runtime.state_dict import is_per_element, per_element_nbytes
 
 log = logging.getLogger(__name__)
@@ -164,9 +165,8 @@ class OffloadEngine:
                                           initargs=(threads,)) if self.chunks else None
         self.copy_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
         """Where offloaded gradient shards are copied to the host as their reduce-scatters finish."""
-        self.upload_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
-        """Where the worker copies updated shards back to the device ([Note: uploads of updated shards])."""
-        self._staging: Optional[torch.Tensor] = None
+        self.uploads = Uploads(device if self.chunks else None)
+        """The updated shards' way back to the device ([Note: uploads of updated shards] in upload.py)."""
         self.update_s = 0.0
         self.updates = 0
         self.early = False
@@ -231,7 +231,7 @@ class OffloadEngine:
             grads = [view.grad for view in shadow.user_views]
             if all(g is None for g in grads):
                 continue
-            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, self._ready()))
+            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, self.uploads.ready()))
             hidden += self.hide(shadow.user_views)
         for job in jobs:
             job.chunk.pending_update = job.future
@@ -258,7 +258,7 @@ class OffloadEngine:
                      for view in views]  # as the step sees them (GradientFlow.hide_elsewhere)
             if all(g is None for g in grads):
                 continue
-            job = _Job(chunk, shadow, shadow.snapshot(), grads, self._ready())
+            job = _Job(chunk, shadow, shadow.snapshot(), grads, self.uploads.ready())
             self._early[key] = (job.hypers, self.hide(views))
             jobs.append(job)
         if jobs:
@@ -342,56 +342,13 @@ class OffloadEngine:
             job.shadow.step(job.hypers, job.grads)
             if fields is not None:
                 self._capture(chunk, fields)
-            self._upload(chunk, job.ready)
+            self.uploads.upload(chunk, job.ready)
             if page is not None:
                 self._unbind(chunk)
                 assert self.store is not None
                 self.store.write(chunk.index, page, release=True)
         self.update_s += time.perf_counter() - start
         self.updates += 1
-
-    def _ready(self) -> Any:
-        """An event after the work the launching thread has queued on the device (None on the CPU)."""
-        if self.upload_stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def _upload(self, chunk: Chunk, ready: Any) -> None:
-        """Copy ``chunk``'s updated master into its compute-dtype shard on the device; return when it is there.
-
-        [Note: uploads of updated shards]
-        On the CPU the shard is copied in place. On a GPU the worker neither uses the device's default
-        stream nor waits for it: that stream holds the main thread's queued compute, and waiting for it
-        made each chunk's update last until the device had drained the next forward, which waits for
-        that very update. Instead the master is converted to the compute dtype on the host (on every
-        core, into one pinned staging buffer: half the bytes of fp32 cross the bus), the copy runs on
-        the engine's upload stream after the ``ready`` event (every read of the shard queued before the
-        update was launched, such as an all-gather in flight), and the worker waits for that copy only.
-        Directions differ from the gradient copies, so both use the bus at once. The next gather reads
-        the shard after ``Chunk.settle``, when the copy is complete.
-        """
-        if self.upload_stream is None or chunk.master is chunk.shard:
-            chunk.refresh_shard()
-            return
-        source = chunk.master
-        if source.dtype != chunk.shard.dtype or not source.is_pinned():
-            source = self._staged(chunk.shard.dtype, chunk.shard_numel)
-            source.copy_(chunk.master)
-        self.upload_stream.wait_event(ready)
-        with torch.cuda.stream(self.upload_stream):
-            chunk.shard.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.upload_stream)
-        done.synchronize()  # the staging buffer is reused by the next chunk
-
-    def _staged(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the pinned staging buffer, as ``dtype`` (grown when needed)."""
-        nbytes = numel * _itemsize(dtype)
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging[:nbytes].view(dtype)
 
     # ---- NVMe records ------------------------------------------------------------------------------
 
@@ -513,7 +470,7 @@ class OffloadEngine:
     def host_bytes(self) -> int:
         """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages."""
         total = self.store.host_bytes if self.store is not None else 0
-        total += self._staging.nbytes if self._staging is not None else 0
+        total += self.uploads.host_bytes
         for chunk in self.chunks:
             total += chunk.grad_shard.nbytes
             if chunk.index not in self.on_disk:
