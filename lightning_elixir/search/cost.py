@@ -327,12 +327,6 @@ def timeline(
                     first, tuple(order))
 
 
-def copy_done_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
-                offloaded: tuple[bool, ...]) -> float:
-    """When the copy stream has moved every offloaded gradient shard to the host."""
-    return max(landed_s(reduce_done, d2h_s, offloaded).values(), default=0.0)
-
-
 def landed_s(reduce_done: tuple[tuple[float, int], ...], d2h_s: tuple[float, ...],
              offloaded: tuple[bool, ...]) -> dict[int, float]:
     """Per offloaded chunk, when the copy stream has moved its gradient shard of the step's last
