@@ -224,16 +224,16 @@ class PlacementCost:
     """Uploads of updated parameter shards."""
     worker_s: tuple[float, ...]
     """Per chunk: the host worker's time on its update (0 on the device; see [Note: overlap])."""
-    in_host_memory: tuple[bool, ...] = ()
+    in_host_memory: tuple[bool, ...]
     """Per chunk: its state is in host memory (placed "cpu"), so its update may start in backward
-    (rule 5 of [Note: overlap]). Empty: none is."""
+    (rule 5 of [Note: overlap])."""
 
     def __post_init__(self) -> None:
         if min(self.d2h_s, self.device_optimizer_s, self.cpu_optimizer_s, self.nvme_s, self.h2d_s) < 0:
             raise ValueError("a placement's times must be >= 0")
         if len(self.worker_s) != len(self.offloaded) or min(self.worker_s, default=0.0) < 0:
             raise ValueError("a placement needs one worker time >= 0 per chunk")
-        if self.in_host_memory and len(self.in_host_memory) != len(self.offloaded):
+        if len(self.in_host_memory) != len(self.offloaded):
             raise ValueError("a placement's in_host_memory needs one flag per chunk")
 
     @property
@@ -429,7 +429,7 @@ def step_cost(tl: Timeline, times: ChunkTimes, placement: PlacementCost, host_hi
     if not any(p.offloaded):
         exposed_s = 0.0
     elif host_hides:
-        started = tuple(sorted((t, c) for c, t in landed.items() if p.in_host_memory and p.in_host_memory[c]))
+        started = tuple(sorted((t, c) for c, t in landed.items() if p.in_host_memory[c]))
         exposed_s = exposed_host_s(tl, times.gather_s, p, max(fwd_bwd_s, copy_done), next_start_s,
                                    started if updates_in_backward else ())
     else:
