@@ -43,7 +43,7 @@ from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.recompute import recompute_candidates, recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 from lightning_elixir.search.errors import NoPlanFitsError
-from lightning_elixir.search.report import format_ms
+from lightning_elixir.search.report import format_bytes, format_ms
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ def budget_bytes(device: torch.device, limit: MemoryLimit, local_world_size: int
         return budget
     usable = cuda_usable_bytes(device)
     if usable < budget:
-        log.info("device memory budget %s lowered to %s: what this process can have of %s now", _gib(budget),
-                 _gib(usable), torch.cuda.get_device_name(device))
+        log.info("device memory budget %s lowered to %s: what this process can have of %s now", format_bytes(budget),
+                 format_bytes(usable), torch.cuda.get_device_name(device))
     return min(budget, usable)
 
 
@@ -211,10 +211,6 @@ def cuda_usable_bytes(device: torch.device) -> int:
     if fraction is not None:
         usable = min(usable, int(fraction(device) * total))
     return usable
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 def host_memory_bytes(limit: MemoryLimit, local_world_size: int) -> int:
