@@ -75,7 +75,7 @@ class Chunk:
         self.shard_numel = spec.numel // group.world_size
         self.shard_begin = group.rank * self.shard_numel
         self.reduce_dtype = reduce_dtype
-        self.state = ChunkState.HOLD  # born gathered: views are made while the storage exists
+        self.state = ChunkState.HOLD  # born gathered: views are made while the storage exists (see fill)
         self.bound = False
         """Whether the parameters' ``.data`` are their views of the block (else placeholders)."""
         self.pins = 0
@@ -90,6 +90,8 @@ class Chunk:
         assert not aliased or group.world_size == 1, "only one rank's shard can be the whole chunk"
         self.aliased = aliased
         """The shard is the gathered block itself ([Note: a world of one])."""
+        if not aliased:  # the block is allocated when filled: building holds one chunk's block at a time
+            self.full.untyped_storage().resize_(0)
         self.shard = self.full if self.aliased else torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
         state_device = device if state_device is None else state_device
         self.offloaded = spec.placement != "device"
@@ -191,6 +193,16 @@ class Chunk:
         self.bound = False
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
+
+    def fill(self, values: torch.Tensor) -> None:
+        """Building a chunk: allocate its block, copy the whole chunk's ``values`` into it and point the
+        parameters at their views (it is released before the next chunk is filled, so that building a
+        model that fits the device only sharded never holds more than one chunk's block)."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self.full_bytes:
+            storage.resize_(self.full_bytes)
+        self.full.copy_(values)
+        self.bind_views()
 
     def bind_views(self) -> None:
         """Point each parameter's data at its view of the gathered block."""

@@ -141,9 +141,7 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         _materialize(module, chunks, group, policy.master_dtype, deferred)
     else:
         for chunk in chunks:
-            chunk.bind_views()
-    for chunk in chunks:
-        chunk.release()
+            chunk.release()
     return chunks
 
 
@@ -183,6 +181,7 @@ def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dt
             else:
                 stage[slot.offset:slot.end].copy_(slot.param.detach().reshape(-1))
         _finalize_chunk(chunk, staging.pop(chunk.index), group)
+        chunk.release()  # before the next chunk's block is allocated
 
 
 def _new_stage(chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
@@ -221,8 +220,7 @@ def _finalize_chunk(chunk: Chunk, stage: torch.Tensor, group: Group) -> None:
     shard = stage[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel]
     chunk.master.copy_(shard)
     chunk.refresh_shard()
-    chunk.full.copy_(stage)
-    chunk.bind_views()
+    chunk.fill(stage)
 
 
 def materialize_buffers(module: nn.Module, device: torch.device, deferred: Sequence[InitRecord] = ()) -> None:
