@@ -1,5 +1,5 @@
-"""Imports flow one way: plan <- profile <- search; plan, schedule, timeline <- runtime; only the glue imports
-everything."""
+"""Imports flow one way: plan <- profile <- search; plan, schedule, timeline, devices <- runtime; only the glue
+imports everything."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_plan_imports_nothing_of_the_package_and_no_distributed():
 
 
 def test_runtime_imports_only_plan_schedule_timeline_units_and_itself():
-    shared = ("lightning_elixir.plan", "lightning_elixir.schedule", "lightning_elixir.timeline", "lightning_elixir.units")
+    shared = ("lightning_elixir.plan", "lightning_elixir.schedule", "lightning_elixir.timeline", "lightning_elixir.units",
+              "lightning_elixir.devices")
     for name, mods in _package_imports((PACKAGE / "runtime").glob("*.py")).items():
         assert all(m in shared or m.startswith("lightning_elixir.runtime") for m in mods), name
 
@@ -40,6 +41,11 @@ def test_schedule_and_timeline_are_pure():
     for name in ("schedule.py", "timeline.py"):
         imports = _imports(PACKAGE / name)
         assert not {m for m in imports if m.startswith(("lightning_elixir", "torch"))}, name
+
+
+def test_devices_needs_torch_only():
+    imports = _imports(PACKAGE / "devices.py")
+    assert not {m for m in imports if m.startswith("lightning")}
 
 
 def test_units_read_the_module_tree_only():

@@ -55,6 +55,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from lightning_elixir.devices import indexed, use_device
+
 Collective = Callable[[torch.Tensor, torch.Tensor], object]
 """``fn(out, inp)``: an all-gather or reduce-scatter bound to a process group by the caller."""
 
@@ -456,9 +458,11 @@ def _steps_while(background: Callable[[], None], step: Callable[[], None], devic
     times ``step`` ran in this thread meanwhile."""
     done = threading.Event()
     errors: list[BaseException] = []
+    device = indexed(device)
 
     def run() -> None:
         try:
+            use_device(device)
             _run_on_side_stream(background, device)
         except BaseException as err:  # re-raised in the caller's thread
             errors.append(err)

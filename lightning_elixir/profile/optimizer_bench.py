@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_elixir.devices import indexed, start_worker
 from lightning_elixir.profile.bench import BenchSizes, synchronize, time_s
 
 
@@ -105,8 +106,8 @@ def _host_updates_s(device: torch.device, compute_dtype: torch.dtype, numel: int
 
     threads = torch.get_num_threads()  # the worker's count ([Note: a core for the thread that feeds the device])
     threads = max(1, threads - 1) if accelerator else threads
-    with ThreadPoolExecutor(1, thread_name_prefix="elixir-bench-update", initializer=torch.set_num_threads,
-                            initargs=(threads,)) as worker:
+    with ThreadPoolExecutor(1, thread_name_prefix="elixir-bench-update", initializer=start_worker,
+                            initargs=(indexed(device), threads)) as worker:
         worker.submit(updates, 1).result()  # warm-up: the optimizer state is created
         timed = worker.submit(updates, sizes.iters)
         if accelerator:

@@ -80,6 +80,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_elixir.devices import HostCopy, to_device
 from lightning_elixir.runtime.hotpath import label
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -404,9 +405,10 @@ def agreed_max(values: torch.Tensor, group: Group) -> list[float]:
 @dataclass
 class Agreement:
     """An ``agreed_max`` whose all-reduce is issued now and whose result is read (and checked) by
-    ``values``: on a GPU, reading it at once makes the host wait for the device."""
+    ``values``: on a GPU, reading it at once makes the host wait for the device ([Note: copies that wait
+    for the device] in devices.py), so it is copied to the host behind the all-reduce and read later."""
 
-    out: torch.Tensor
+    out: HostCopy
     """The reduced values, then the signature's (maximum, negated minimum) per kind."""
     count: int
     """How many of ``out`` are the caller's values."""
@@ -418,9 +420,9 @@ class Agreement:
         signature = [float(s) for s in group.signature for s in (s, -s)]
         group.signature[:] = [0, 0]
         if group.world_size == 1:
-            return cls(values, values.numel(), group)
-        extra = torch.tensor(signature, dtype=torch.float32, device=values.device)
-        return cls(all_reduce_max(torch.cat([values.float(), extra]), group), values.numel(), group)
+            return cls(HostCopy(values), values.numel(), group)
+        extra = to_device(torch.tensor(signature, dtype=torch.float32), values.device)
+        return cls(HostCopy(all_reduce_max(torch.cat([values.float(), extra]), group)), values.numel(), group)
 
     def values(self) -> list[float]:
         """The maximum over ranks of the values; raises ``RankDivergenceError`` where the ranks' signatures differ."""

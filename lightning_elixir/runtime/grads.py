@@ -55,6 +55,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.chunk import Chunk
 from lightning_elixir.runtime.collectives import Group
@@ -147,7 +148,7 @@ class GradientFlow:
         seen = self.reductions.seen
         hyper = _hyperparameter_print(optimizer)
         flags = [float(pid in seen) for pid, _ in pairs]
-        local = torch.tensor(flags + [hyper, -hyper], dtype=torch.float32, device=device)
+        local = to_device(torch.tensor(flags + [hyper, -hyper], dtype=torch.float32), device)
         agreement = collectives.Agreement.start(local, group)
         if self.read_later and all(flags):  # used here: used somewhere, so no gradient goes back to None
             self._unread = (agreement, optimizer)

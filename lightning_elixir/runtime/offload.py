@@ -76,6 +76,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from lightning_elixir.devices import indexed, start_worker
 from lightning_elixir.plan import ChunkSpec, PlanError
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.hotpath import label
@@ -161,8 +162,8 @@ class OffloadEngine:
         self.layout_fields: tuple[tuple[str, torch.dtype], ...] = ()
         self.on_disk: set[int] = set()
         threads = worker_threads(device, torch.get_num_threads())
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="elixir-offload", initializer=torch.set_num_threads,
-                                          initargs=(threads,)) if self.chunks else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="elixir-offload", initializer=start_worker,
+                                          initargs=(indexed(device), threads)) if self.chunks else None
         self.copy_stream = torch.cuda.Stream(device) if self.chunks and device.type == "cuda" else None
         """Where offloaded gradient shards are copied to the host as their reduce-scatters finish."""
         self.uploads = Uploads(device if self.chunks else None)

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
+from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
 
 log = logging.getLogger(__name__)
@@ -134,20 +135,30 @@ def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0) -> torch.T
     shards = runtime.grad_shards()
     total = _global_norm(runtime, shards, float(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coefs = {coef.device: coef}  # offloaded shards are on the host: the coefficient goes there once
     for g in shards:
-        g.mul_(coef.to(g.device, g.dtype))
+        if g.device not in coefs:
+            coefs[g.device] = coef.to(g.device)
+        g.mul_(coefs[g.device].to(g.dtype))
     return total
 
 
 def _global_norm(runtime, shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    device = runtime.device  # offloaded shards are on the host: each partial result moves to the device
-    if math.isinf(norm_type):
-        local = max((g.abs().max().float().to(device) for g in shards if g.numel()),
-                    default=torch.zeros((), device=device))
-        return collectives.all_reduce_max(local.reshape(1).clone(), runtime.group)[0]
-    local = torch.zeros(1, dtype=torch.float32, device=device)
+    """The norm over every rank's shards; the offloaded shards' part is summed on the host and crosses
+    to the device once ([Note: copies that wait for the device] in devices.py)."""
+    infinite = math.isinf(norm_type)
+    sums: dict[torch.device, torch.Tensor] = {}  # per device, added in the shards' order
     for g in shards:
-        local += g.float().abs().pow(norm_type).sum().to(device)
+        if g.numel():
+            part = g.abs().max().float() if infinite else g.float().abs().pow(norm_type).sum()
+            held = sums.get(g.device)
+            sums[g.device] = part if held is None else torch.maximum(held, part) if infinite else held + part
+    local = torch.zeros(1, dtype=torch.float32, device=runtime.device)
+    for part in sums.values():
+        part = to_device(part.reshape(1), local.device)
+        local = torch.maximum(local, part) if infinite else local + part
+    if infinite:
+        return collectives.all_reduce_max(local, runtime.group)[0]
     return collectives.all_reduce_sum(local, runtime.group)[0].pow(1.0 / norm_type)
 
 

@@ -51,7 +51,7 @@ class Uploads:
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             chunk.shard.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # waited for by yielding the core, not spinning on it
             done.record(self.stream)
         done.synchronize()  # the staging buffer is reused by the next chunk
 

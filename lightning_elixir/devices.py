@@ -1,0 +1,72 @@
+"""What a thread other than the one that owns a device must do before it issues work there.
+
+[Note: a worker thread's current device]
+A new thread's current CUDA device is device 0, whatever device the thread that started it uses.
+A stream context restores, on exit, the stream that was current before it: device 0's, which
+makes device 0 current, and the first CUDA call there creates a context on GPU 0 (about half a GiB)
+in the process of every rank: memory outside each rank's budget, all of it on one GPU. So a worker
+that issues CUDA work (uploads, streams, pinned buffers) makes its device current first, and that
+device is resolved to its index by the thread that owns it (``torch.cuda.set_device`` refuses a
+device without one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: the calling thread's current one where it has none (GPUs only)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` (an indexed one, see ``indexed``) current in the calling thread; nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def start_worker(device: torch.device, threads: int) -> None:
+    """A worker thread's initializer: its intra-op threads and its current device."""
+    torch.set_num_threads(threads)
+    use_device(device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host ``tensor`` on ``device``, copied without the host waiting for the device.
+
+    [Note: copies that wait for the device]
+    A copy between pageable host memory and a GPU (``.to(device)`` of a host tensor,
+    ``torch.tensor(values, device=...)``, ``.tolist()``) waits until the device has run everything
+    queued before it: a step that makes one loses the host's lead over the device, and the device
+    idles while the host queues the next kernels. From pinned memory with ``non_blocking`` the copy
+    is queued like a kernel (the allocator keeps the pinned block until it has run); a result read on
+    the host is copied into pinned memory behind an event, and waited for when it is read, by which
+    time the device has usually long finished it.
+    """
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values on the host, copied behind the device's queued work and read when needed
+    ([Note: copies that wait for the device])."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._tensor = tensor
+
+    def tolist(self) -> list:
+        """The values (waiting for the copy, on a GPU, if it has not run yet)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tensor.tolist()
