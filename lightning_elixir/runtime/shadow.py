@@ -70,7 +70,7 @@ class Shadow:
         groups = []
         for g in self.group_index:
             params = [shadow for gi, _, shadow in members if gi == g]
-            groups.append({**hyperparameters(optimizer.param_groups[g]), "params": params})
+            groups.append({**host_hyperparameters(optimizer.param_groups[g], type(optimizer)), "params": params})
         self.impl = type(optimizer)(groups)
         self.impl.state = AliasedState(optimizer, {id(shadow): user for _, user, shadow in members})
 
@@ -80,7 +80,8 @@ class Shadow:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The user's hyperparameters and gradients now (the worker steps with them later)."""
-        return [hyperparameters(self.optimizer.param_groups[g]) for g in self.group_index]
+        kind = type(self.optimizer)
+        return [host_hyperparameters(self.optimizer.param_groups[g], kind) for g in self.group_index]
 
     def step(self, hypers: list[dict[str, Any]], grads: list[Optional[torch.Tensor]]) -> None:
         """Update the chunk's views with the given hyperparameters and gradients (None: skipped)."""
@@ -100,6 +101,20 @@ class Shadow:
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group without its parameters."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def host_hyperparameters(group: dict[str, Any], kind: type) -> dict[str, Any]:
+    """A param group's hyperparameters for a step of host tensors: an ``lr`` tensor as a float (one on a GPU
+    cannot step host tensors), no ``capturable`` (a mode for GPU graphs, refused on the host), and
+    ``fused`` only where the class has a fused host kernel."""
+    settings = hyperparameters(group)
+    if isinstance(settings.get("lr"), torch.Tensor):
+        settings["lr"] = float(settings["lr"])
+    if settings.get("capturable"):
+        settings["capturable"] = False
+    if settings.get("fused") and kind not in FUSED_ON_CPU:
+        settings["fused"] = None
+    return settings
 
 
 def per_element_keys(optimizer: Optimizer) -> dict[str, torch.dtype]:

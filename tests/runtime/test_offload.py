@@ -282,3 +282,19 @@ def test_the_worker_takes_the_landed_update_needed_first():
     finally:
         engine.close()
         runtime.restore_module()
+
+
+def test_host_updates_drop_the_settings_only_a_gpu_accepts():
+    """A user's optimizer made for GPU tensors (capturable, an lr tensor, a fused kernel the host lacks)
+    steps the offloaded chunks' host shadows with settings the host accepts: same values otherwise."""
+    from lightning_elixir.runtime.shadow import host_hyperparameters
+
+    group = {"params": [], "lr": torch.tensor(0.01), "capturable": True, "fused": True, "betas": (0.9, 0.99)}
+    adamw = host_hyperparameters(group, torch.optim.AdamW)
+    assert adamw == {"lr": pytest.approx(0.01), "capturable": False, "fused": True, "betas": (0.9, 0.99)}
+    assert type(adamw["lr"]) is float
+    assert host_hyperparameters(group, torch.optim.RMSprop)["fused"] is None  # no fused RMSprop on the host
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    torch.optim.AdamW([{**adamw, "params": [p]}]).step()  # the host accepts them
+    assert torch.isfinite(p).all() and not torch.equal(p.detach(), torch.ones(3))
