@@ -271,6 +271,8 @@ class Chunk:
         self.grad_requiring = {id(s.param) for s in self.trainable_slots}
         self._view_cache: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
+        self._frozen = [(s.offset, s.end) for s in self.slots if s.numel and not s.param.requires_grad]
+        """Slots of frozen parameters: zero in a reduced gradient shard, and so where one rank writes its own."""
         self.reset_grad_tracking()
 
     def reset_grad_tracking(self) -> None:
@@ -349,14 +351,18 @@ class Chunk:
     def start_reduce(self, copy_stream: Any = None, accumulate: bool = False) -> None:
         """Sum the gradients over ranks, averaged, into this rank's shard (async).
 
-        Where the shard is the chunk and lives on the device ([Note: a world of one]) the gradients
-        go straight into it: there is nothing to sum. With a ``copy_stream`` (an offloaded chunk on a
-        GPU) the reduced shard also starts its way to the host gradient shard at once, overlapping the
-        rest of backward ([Note: landing gradients on the host]).
+        With one rank the gradient shard is chunk-sized and there is nothing to sum: on the device the
+        gradients go straight into it, and an offloaded chunk's leave from the buffer they were copied
+        into. With a ``copy_stream`` (an offloaded chunk on a GPU) the reduced shard also starts its way
+        to the host gradient shard at once, overlapping the rest of backward ([Note: landing gradients
+        on the host]).
         """
         grads = self.take_grads()
-        if self.aliased and not self.offloaded:
+        if self.group.world_size == 1 and not self.offloaded:
             self._fill(self.grad_shard, grads, accumulate)
+            if not accumulate:
+                for begin, end in self._frozen:
+                    self.grad_shard[begin:end].zero_()
             self._reduce = (_DONE, None)
             return
         self.grad_full = self._new_grad_buffer()
@@ -369,6 +375,8 @@ class Chunk:
             if self.group.world_size > 1:  # the peers' parts land in a reused buffer too
                 received = self._received = self.grad_buffers.take(
                     (self.group.world_size - 1) * self.shard_numel, self.reduce_dtype, self.full.device)
+        elif self.group.world_size == 1:  # the shard is the chunk
+            out = self.grad_full
         else:
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.full.device)
         work = collectives.reduce_scatter(out, self.grad_full, self.group, async_op=True, chunk=self.index,

@@ -322,7 +322,8 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
     """
     with label("Elixir::reduce_scatter"):
         if group.world_size == 1:
-            out.copy_(full)
+            if out is not full:
+                out.copy_(full)
             return _Done() if async_op else None
         what = _describe("reduce-scatter of gradients", full, chunk)
         tag = group.next_tag()

@@ -101,8 +101,8 @@ class TimelineRecorder:
                 total += c.grad_shard.nbytes
             if c.grad_full is not None:
                 total += c.grad_full.nbytes
-            if c.reduce_started:  # its shard-size output, on the device until the reduction finishes
-                total += c.shard_numel * c.reduce_dtype.itemsize
+            if c.reduce_started and c.group.world_size > 1:  # its shard-size output, on the device until the
+                total += c.shard_numel * c.reduce_dtype.itemsize  # reduction finishes (one rank: the buffer)
         return total
 
     def _optimizer_bytes(self) -> int:

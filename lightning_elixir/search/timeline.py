@@ -22,7 +22,9 @@ peak. They differ where the runtime holds less than the bound, or more:
   full-size buffers instead, which is short of the peak by the outputs of the chunks in flight;
 - a resident plan ([Note: resident plans] in runtime/protocol.py) holds every block from the first
   position; with one rank its shards are its blocks and its gradients land in their shards, so it
-  holds neither blocks nor gradient buffers.
+  holds neither blocks nor gradient buffers. With one rank any plan's device chunks take their
+  gradients straight into their shards (no buffer), and an offloaded chunk's buffer is its output;
+  ``MemoryBreakdown`` still counts ``reduce_buffers`` buffers there (an over-estimate).
 """
 
 from __future__ import annotations
@@ -147,12 +149,15 @@ def _trained_shard_numels(layout: Layout, model: ModelProfile, rank: int) -> lis
 def _reduce_buffer_bytes(layout: Layout, model: ModelProfile, per: StateBytes) -> list[int]:
     """Per access of a micro-batch, the gradient buffers held when it starts ([Note: timeline versus
     MemoryBreakdown]): each trained chunk's full buffer and its reduce-scatter output, from the start of
-    its reduction until the reduction is retired."""
+    its reduction until the reduction is retired (with one rank: an offloaded chunk's buffer, which is
+    its output too, and none for a chunk on the device)."""
     reduced = reduce_positions(layout, model)
     held = [0] * (len(model.accesses) + 1)
+    one = layout.world_size == 1
     for c, retired in _retire_positions(layout, reduced).items():
-        full = layout.chunks[c].numel * per.reduce
-        output = layout.chunks[c].numel // layout.world_size * per.reduce
+        spec = layout.chunks[c]
+        full = 0 if one and spec.placement == "device" else spec.numel * per.reduce
+        output = 0 if one else spec.numel // layout.world_size * per.reduce
         held[reduced[c] + 1] += full + output
         if retired is not None:
             held[retired + 1] -= full + output
