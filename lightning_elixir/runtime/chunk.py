@@ -96,7 +96,11 @@ class Chunk:
         state_device = device if state_device is None else state_device
         self.offloaded = spec.placement != "device"
         same = master_dtype == compute_dtype and not self.offloaded
-        self.master = self.shard if same else _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
+        # Pinned where it crosses the bus itself: a master of another dtype goes up through the uploads'
+        # staging buffer ([Note: uploads of updated shards] in upload.py), and pinned memory is dear
+        # (its allocator rounds every block up to a power of two, and keeps it).
+        pin_master = pin_memory and master_dtype == compute_dtype
+        self.master = self.shard if same else _zeros(self.shard_numel, master_dtype, state_device, pin_master)
         self.grad_shard = _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
         self.pending_update: Optional[Future] = None
         """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
