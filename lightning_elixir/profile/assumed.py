@@ -340,7 +340,8 @@ def _infer(values: AssumedValues, packet: Any, args: tuple, out: torch.Tensor) -
     if not isinstance(first, torch.Tensor):
         return None
     if packet in _SAME_VALUE:
-        return values.known.get(first)
+        known = values.known.get(first)
+        return known if known is not None or isinstance(first, FakeTensor) else _uniform(first)
     if packet in _NEGATE:
         known = values.known.get(first)
         return None if known is None else not known
@@ -352,6 +353,17 @@ def _infer(values: AssumedValues, packet: Any, args: tuple, out: torch.Tensor) -
     if packet in _LOGICAL and out.dtype == torch.bool:
         return _infer_logical(values, _LOGICAL[packet], args[:2])
     return None
+
+
+def _uniform(t: torch.Tensor) -> Any:
+    """The value of every element of a real tensor (a plain attribute of the module, the batch sizes
+    of a packed sequence) when they are all equal, else None: ``int(batch_sizes[0])`` must read the
+    real size, not an assumed one."""
+    with no_dispatch():
+        if t.numel() == 0 or t.is_complex() or t.is_meta:
+            return None
+        flat = t.reshape(-1)
+        return flat[0].item() if bool((flat == flat[0]).all()) else None
 
 
 def _infer_compare(values: AssumedValues, op: Callable[[Any, Any], bool], a: torch.Tensor, b: Any) -> Any:

@@ -1,8 +1,8 @@
 """Measure a machine once, cache the HardwareProfile as JSON, and agree on it across ranks.
 
     hw = profile_hardware("cuda:0", world_size=dist.get_world_size(),
-                          all_gather=lambda o, i: dist.all_gather_single(o, i),
-                          reduce_scatter=lambda o, i: dist.reduce_scatter_single(o, i),
+                          all_gather=lambda o, i: dist.all_gather_into_tensor(o, i),
+                          reduce_scatter=lambda o, i: dist.reduce_scatter_tensor(o, i),
                           compute_dtype=torch.bfloat16)
 
 This module uses no process group itself: the caller injects the collectives, bound to its group.
@@ -107,7 +107,7 @@ def profile_hardware(
         device: The device this rank trains on.
         world_size: Ranks in the process group that ``all_gather``/``reduce_scatter`` run on.
         all_gather: ``all_gather(out, inp)`` into a flat ``out`` of ``world_size * inp.numel()``
-            elements, e.g. ``lambda o, i: dist.all_gather_single(o, i, group=g)``. Required
+            elements, e.g. ``lambda o, i: dist.all_gather_into_tensor(o, i, group=g)``. Required
             when ``world_size > 1``; with world size 1 and none given, a local copy is timed.
         reduce_scatter: ``reduce_scatter(out, inp)`` summing ``inp`` over ranks into this rank's
             ``out`` of ``inp.numel() / world_size`` elements. Same rules as ``all_gather``.
@@ -149,7 +149,7 @@ def _check_arguments(world_size: int, all_gather: Collective | None, reduce_scat
     """Raise on arguments that would fail mid-way, while no rank has started a collective."""
     if world_size > 1 and (all_gather is None or reduce_scatter is None):
         raise ValueError("world_size > 1 needs both all_gather and reduce_scatter, bound to the process group "
-                         "(e.g. all_gather=lambda o, i: dist.all_gather_single(o, i))")
+                         "(e.g. all_gather=lambda o, i: dist.all_gather_into_tensor(o, i))")
     if nvme_path is not None and not Path(nvme_path).is_dir():
         raise ValueError(f"nvme_path {nvme_path} is not a directory; pass a directory on the NVMe drive or None")
 

@@ -263,11 +263,11 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     def all_gather(out, inp):
         calls.append(("all_gather", out.numel()))
-        dist.all_gather_single(out, inp)
+        dist.all_gather_into_tensor(out, inp)
 
     def reduce_scatter(out, inp):
         calls.append(("reduce_scatter", inp.numel()))
-        dist.reduce_scatter_single(out, inp)
+        dist.reduce_scatter_tensor(out, inp)
 
     try:
         results = []

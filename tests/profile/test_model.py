@@ -256,11 +256,20 @@ def test_manual_optimization_is_traced_and_a_step_fn_still_works():
     assert profile_model(module, batch, step_fn=_gpt_step).total_numel > 0
 
 
+@torch.library.custom_op("elixir_test::positives", mutates_args=())
+def _positives(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0].clone()
+
+
+@_positives.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size())  # how a library declares a value-dependent shape
+
+
 def test_steps_with_value_dependent_shapes_beyond_the_known_ones_fail_with_a_clear_error():
     def step(module, batch):
         out = module(batch)
-        values, _ = torch.ops.aten._unique(batch[:, 0])  # the legacy unique: not bounded
-        return (out * values.sum()).sum()
+        return (out * _positives(batch[:, 0]).sum()).sum()  # a library's operator: not one the trace bounds
 
     with pytest.raises(ProfileError, match="cannot bound"):
         profile_model(MLP(8), torch.randn(2, 8), step_fn=step)
