@@ -30,6 +30,7 @@ The hooks are removed when the strategy lets go of the module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -61,7 +62,8 @@ class Recomputation:
             if state.enabled and not torch.compiler.is_compiling() and _plain((args, kwargs)) \
                     and not _reparametrized(mod):
                 region = _checkpoint._checkpoint_without_reentrant_generator(
-                    mod, True, lambda: (contextlib.nullcontext(), state), "default", False, True, *args, **kwargs)
+                    mod, True, lambda: (contextlib.nullcontext(), state), "default", False, *_EARLY_STOP, *args,
+                    **kwargs)
                 next(region)
                 state.region = region
 
@@ -78,6 +80,12 @@ class Recomputation:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+_EARLY_STOP = (True,) if "early_stop" in inspect.signature(
+    _checkpoint._checkpoint_without_reentrant_generator).parameters else ()
+"""The region's ``early_stop`` argument where this torch takes one (newer releases; before, early stopping is
+the default, set by ``torch.utils.checkpoint.set_checkpoint_early_stop``)."""
 
 
 class _BlockState:

@@ -422,6 +422,7 @@ class GroupedExperts(Classifier):
         return self.head(torch.nn.functional.grouped_mm(h, self.experts, offs=offs))
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm")
 def test_grouped_matmul_in_fp32_profiles():
     module = GroupedExperts()
     x, y = _batch()
