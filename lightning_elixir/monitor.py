@@ -156,6 +156,10 @@ class ElixirMonitor(Callback):
         if self._step_started is None:  # the first micro-batch of an optimizer step
             self._step_started = time.perf_counter()
             runtime.clock.take()  # waits outside the step (validation, checkpoints) are not the step's
+            planner = getattr(trainer.strategy, "planner", None)
+            # While the self-correction measures, GPU waits are timed on the device ([Note: phases timed
+            # on the device] in runtime/phases.py).
+            runtime.clock.device_timing = planner is not None and planner.may_replan
             if torch.cuda.is_available() and runtime.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(runtime.device)
             if trainer.global_step + 1 == self.timeline_step and self._recorder is None:

@@ -160,13 +160,13 @@ class Chunk:
             self._gather_work = collectives.all_gather(self.full, self.shard, self.group, async_op=True,
                                                         chunk=self.index)
             return
-        with self.clock.timing("gather_wait"):  # a demand gather: the step waits for all of it
+        with self.clock.timing("gather_wait", self.full.device):  # a demand gather: the step waits for all of it
             collectives.all_gather(self.full, self.shard, self.group, chunk=self.index)
 
     def finish_gather(self) -> None:
         """GATHERING -> HOLD: wait for the all-gather and point parameters at their views."""
         if self._gather_work is not None:
-            with self.clock.timing("gather_wait"):
+            with self.clock.timing("gather_wait", self.full.device):  # a stream wait on a GPU
                 self._gather_work.wait()
             self._gather_work = None
         self._move(ChunkState.HOLD)
@@ -418,7 +418,8 @@ class Chunk:
         if work is _DONE:  # landed in the shard when it started
             self._reduce = None
             return
-        with self.clock.timing("reduce_wait"):
+        stream_wait = not isinstance(work, _Landed)  # a landing is waited for on the host
+        with self.clock.timing("reduce_wait", self.full.device if stream_wait else None):
             work.wait()
         self.settle()  # an offloaded update may still read the previous step's gradient
         if not (isinstance(work, _Landed) and work.into_shard):  # else: already copied into the shard

@@ -288,7 +288,7 @@ class ElixirRuntime:
 
         See [Note: offloaded updates] in offload.py.
         """
-        with self.clock.timing("optimizer"):
+        with self.clock.timing("optimizer", self.device):
             self.before_step()
             self.grads.settle_unused(optimizer, self.group, self.device)
             self.updating = True  # from here on the update may be partly applied; an error leaves it set

@@ -2,8 +2,9 @@
 
 [Note: self-correction]
 The search predicts from a profile measured in seconds before the run. After a short warm-up the
-run knows the truth for the plan it runs: the step time, and in it the host's waits for gathers and
-reduce-scatters, for offloaded updates and the optimizer (runtime/phases.py). ``reconsider``
+run knows the truth for the plan it runs: the step time, and in it the waits for gathers and
+reduce-scatters (on a GPU, the stream's: [Note: phases timed on the device] in runtime/phases.py),
+for offloaded updates and the optimizer. ``reconsider``
 compares that with the prediction. Within ``threshold`` it changes nothing. Beyond it, ``calibrate``
 fits three factors so that the running plan's prediction matches what was measured:
 
