@@ -288,11 +288,15 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
         return _issue(work, group, _describe("all-gather", out, chunk), out, async_op)
 
 
-def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Group, chunk: Optional[int] = None) -> None:
+def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Group, chunk: Optional[int] = None,
+                    collective: Optional[bool] = None) -> None:
     """Gather every rank's ``shard`` into ``out`` on rank 0 (rank order); ``out`` is None on the others.
 
-    Point to point, so that only rank 0 holds the gathered tensor: gloo's gather and all-gather
-    first gather into a flat buffer of their own (a second full copy on every receiving rank)."""
+    On the CPU point to point, so that only rank 0 holds the gathered tensor: gloo's gather and
+    all-gather first gather into a flat buffer of their own (a second full copy on every receiving
+    rank). On a GPU the gather collective, straight into views of ``out``: NCCL makes a communicator
+    of its own (with its buffers, on rank 0's device) for every pair of ranks that exchange point to
+    point. ``collective`` overrides the choice (tests)."""
     with label("Elixir::gather"):
         if group.world_size == 1:
             if shard.data_ptr() != out.data_ptr():
@@ -300,6 +304,13 @@ def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Gro
             return
         what = _describe("gather to rank 0", shard, chunk)
         group.next_tag()
+        if shard.device.type == "cuda" if collective is None else collective:
+            n = shard.numel()
+            outputs = [[out[r * n:(r + 1) * n] for r in range(group.world_size)]] if group.rank == 0 else []
+            opts = _options(dist.distributed_c10d.GatherOptions(), group, async_op=False)
+            opts.rootRank = 0  # a rank of the group, as the process group's own methods take
+            _issue(_pg(group).gather(outputs, [shard], opts), group, what, shard, async_op=False)
+            return
         if group.rank != 0:
             _issue(_pg(group).send([shard], 0, 0), group, what, shard, async_op=False)
             return

@@ -61,3 +61,23 @@ def test_reduce_scatter_sums_each_rank_part_whatever_the_order_of_waits():
         for result in results:
             torch.testing.assert_close(result[str(dtype)]["gathered"], ranks, rtol=0, atol=0)
     assert len({r["issued"] for r in results}) == 1, "every rank counted the same collectives"
+
+
+def _gather(rank: int, world_size: int, collective: bool) -> dict:
+    group = Group.default()
+    n = 5
+    shard = torch.arange(n, dtype=torch.float32) + 10 * rank
+    out = torch.full((world_size * n,), float("nan")) if rank == 0 else None
+    if rank == 0 and not collective:
+        out[:n].copy_(shard)
+        shard = out[:n]  # the caller's own part already in place
+    collectives.gather_to_first(out, shard, group, collective=collective)
+    return {"out": out}
+
+
+def test_gather_to_first_by_collective_and_point_to_point_give_rank_0_every_shard():
+    expected = torch.cat([torch.arange(5, dtype=torch.float32) + 10 * r for r in range(WORLD_SIZE)])
+    for collective in (True, False):
+        results = run_distributed(_gather, WORLD_SIZE, collective)
+        torch.testing.assert_close(results[0]["out"], expected, rtol=0, atol=0)
+        assert all(r["out"] is None for r in results[1:])
