@@ -407,7 +407,7 @@ class Chunk:
                   else self.grad_shard)
         with torch.cuda.stream(stream):
             target.copy_(out.to(target.dtype), non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # waited for without spinning on a core the worker needs
             event.record(stream)
         return _Landed(event, out, into_shard=not accumulate), target
 
