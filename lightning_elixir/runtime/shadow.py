@@ -128,12 +128,10 @@ def per_element_keys(optimizer: Optimizer) -> dict[str, torch.dtype]:
     for group in optimizer.param_groups:
         probe = nn.Parameter(torch.zeros(2))
         probe.grad = torch.zeros(2)
-        settings = hyperparameters(group)
-        if isinstance(settings.get("lr"), torch.Tensor):
-            settings["lr"] = float(settings["lr"])
-        for key, plain in (("foreach", False), ("fused", None), ("capturable", False)):
+        settings = host_hyperparameters(group, type(optimizer))  # the probe runs on the CPU,
+        for key, plain in (("foreach", False), ("fused", None)):  # with torch's reference loop
             if key in settings:
-                settings[key] = plain  # the probe runs on the CPU, with torch's reference loop
+                settings[key] = plain
         instance = type(optimizer)([{**settings, "params": [probe]}])
         instance.step()
         for key, value in instance.state[probe].items():
