@@ -101,9 +101,9 @@ class RecordLayout:
         own element size (fp32 master and fp32 state: no gaps, the bytes the search counts)."""
         out, at = [], 0
         for _, dtype in self.fields:
-            at = _round_up(at, _itemsize(dtype))
+            at = _round_up(at, dtype.itemsize)
             out.append(at)
-            at += self.numel * _itemsize(dtype)
+            at += self.numel * dtype.itemsize
         return out + [at]
 
     @property
@@ -113,7 +113,7 @@ class RecordLayout:
     def views(self, data: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of a page's bytes, one per field."""
         offsets = self.offsets()
-        return {name: data[offsets[i]:offsets[i] + self.numel * _itemsize(dtype)].view(dtype)
+        return {name: data[offsets[i]:offsets[i] + self.numel * dtype.itemsize].view(dtype)
                 for i, (name, dtype) in enumerate(self.fields)}
 
 
@@ -528,10 +528,6 @@ def _placeholder(dtype: torch.dtype, numel: int) -> torch.Tensor:
     """One value expanded to ``numel``: NaN for floats (a stray read shows), zero otherwise."""
     fill = math.nan if dtype.is_floating_point else 0
     return torch.full((1,), fill, dtype=dtype).expand(numel)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _round_up(n: int, multiple: int) -> int:
