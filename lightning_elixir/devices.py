@@ -1,4 +1,6 @@
-"""What a thread other than the one that owns a device must do before it issues work there.
+"""Device work shared by the profile and the runtime: what a thread other than the one that owns a
+device must do before it issues work there, host values to and from a GPU without the host waiting
+for the device, and host tensors up to the device on a stream of their own (``HostToDevice``).
 
 [Note: a worker thread's current device]
 A new thread's current CUDA device is device 0, whatever device the thread that started it uses.
@@ -11,6 +13,8 @@ device without one).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
@@ -70,3 +74,53 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._tensor.tolist()
+
+
+class HostToDevice:
+    """Host tensors copied into device tensors on a stream of their own, the host waiting for that copy
+    only (the shards an offloaded update leaves: [Note: uploads of updated shards] in runtime/upload.py).
+    A source of another dtype, or not pinned, is converted into one pinned staging buffer first. Where
+    ``device`` is None or not a GPU the copy is a plain one."""
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        self._staging: Optional[torch.Tensor] = None
+
+    def ready(self) -> Any:
+        """An event after the work the calling thread has queued on the device (None without a stream)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, source: torch.Tensor, target: torch.Tensor, ready: Any = None) -> None:
+        """Copy host ``source`` into device ``target`` (in its dtype) once ``ready`` (an event from
+        ``ready()``, or None) has passed; return when it is there."""
+        if self.stream is None:
+            target.copy_(source)
+            return
+        if source.dtype != target.dtype or not source.is_pinned():
+            staged = self._staged(target.dtype, target.numel())
+            staged.copy_(source)
+            source = staged
+        if ready is not None:
+            self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)  # waited for by yielding the core, not spinning on it
+            done.record(self.stream)
+        done.synchronize()  # the staging buffer is reused by the next copy
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory of the staging buffer."""
+        return self._staging.nbytes if self._staging is not None else 0
+
+    def _staged(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the pinned staging buffer, as ``dtype`` (grown when needed)."""
+        nbytes = numel * dtype.itemsize
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:nbytes].view(dtype)

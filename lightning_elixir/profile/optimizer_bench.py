@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_elixir.devices import indexed, start_worker
+from lightning_elixir.devices import HostToDevice, indexed, start_worker
 from lightning_elixir.profile.bench import BenchSizes, synchronize, time_s
 
 
@@ -71,25 +71,14 @@ def _host_updates_s(device: torch.device, compute_dtype: torch.dtype, numel: int
                     sizes: BenchSizes) -> tuple[float, float]:
     """(AdamW, upload) seconds per chunk of ``numel`` elements, as ``host_update_costs`` runs them."""
     accelerator = device.type != "cpu"
-    masters = [torch.zeros(numel, pin_memory=accelerator) for _ in range(sizes.host_update_chunks)]
+    pinned = accelerator and compute_dtype == torch.float32  # as the runtime pins masters (chunk.py)
+    masters = [torch.zeros(numel, pin_memory=pinned) for _ in range(sizes.host_update_chunks)]
     params = [torch.nn.Parameter(m) for m in masters]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizers = [_adamw([p]) if accelerator else torch.optim.AdamW([p]) for p in params]
     shards = [torch.empty(numel, dtype=compute_dtype, device=device) for _ in params]
-    staging = torch.empty(numel, dtype=compute_dtype, pin_memory=accelerator)
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def upload(master: torch.Tensor, shard: torch.Tensor) -> None:
-        if stream is None:
-            shard.copy_(master)
-            return
-        staging.copy_(master)
-        with torch.cuda.stream(stream):
-            shard.copy_(staging, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+    upload = HostToDevice(device).copy  # the offload worker's uploads (runtime/upload.py)
 
     def updates(rounds: int) -> tuple[float, float]:
         step_s = upload_s = 0.0

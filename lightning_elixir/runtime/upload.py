@@ -14,55 +14,18 @@ differ from the gradient copies, so both use the bus at once. The next gather re
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-import torch
-
+from lightning_elixir.devices import HostToDevice
 from lightning_elixir.runtime.chunk import Chunk
 
 
-class Uploads:
+class Uploads(HostToDevice):
     """Updated shards back to ``device`` on a stream of their own (the shard copied in place where
     ``device`` is None or not a GPU)."""
-
-    def __init__(self, device: Optional[torch.device]) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
-        self._staging: Optional[torch.Tensor] = None
-
-    def ready(self) -> Any:
-        """An event after the work the launching thread has queued on the device (None without a stream)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
 
     def upload(self, chunk: Chunk, ready: Any) -> None:
         """Copy ``chunk``'s updated master into its compute-dtype shard on the device, after ``ready``;
         return when it is there."""
-        if self.stream is None or chunk.master is chunk.shard:
-            chunk.refresh_shard()
-            return
-        source = chunk.master
-        if source.dtype != chunk.shard.dtype or not source.is_pinned():
-            source = self._staged(chunk.shard.dtype, chunk.shard_numel)
-            source.copy_(chunk.master)
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            chunk.shard.copy_(source, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)  # waited for by yielding the core, not spinning on it
-            done.record(self.stream)
-        done.synchronize()  # the staging buffer is reused by the next chunk
-
-    @property
-    def host_bytes(self) -> int:
-        """Pinned host memory of the staging buffer."""
-        return self._staging.nbytes if self._staging is not None else 0
-
-    def _staged(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the pinned staging buffer, as ``dtype`` (grown when needed)."""
-        nbytes = numel * dtype.itemsize
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging[:nbytes].view(dtype)
+        if chunk.master is not chunk.shard:
+            self.copy(chunk.master, chunk.shard, ready)
