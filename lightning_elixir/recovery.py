@@ -47,6 +47,7 @@ import logging
 import re
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -199,6 +200,29 @@ class OutOfMemoryRecovery:
         self._carried = False
 
     # ---- the group and its watch ---------------------------------------------------------------
+
+    @staticmethod
+    def works_over(group: Group) -> bool:
+        """Whether recovery can run over ``group``; says why not, once, where it cannot.
+
+        [Note: no recovery across GPUs yet]
+        The recovery learns of another rank's failure in its host waits for collectives, and then
+        gives up the old process group. On NCCL a wait makes the device's stream wait, not the host:
+        the ranks that did not run out of memory go on queueing work behind a collective the failing
+        rank never joins, their devices stall, and a given-up group's kernels would still write into
+        memory the next plan reuses. Calling them off takes aborting the communicator on every rank,
+        which is not built yet, so with NCCL and several ranks the strategy runs without recovery and
+        an out-of-memory error ends the run, as with ``oom_recovery=False``. One GPU, and gloo, recover.
+        """
+        if group.world_size == 1 or "nccl" not in str(dist.get_backend(group.pg)):
+            return True
+        if group.rank == 0:
+            warnings.warn("Elixir: out-of-memory recovery is off with NCCL across several processes (it recovers "
+                          "on one GPU and on gloo): a rank that runs out of memory cannot yet call off the "
+                          "collectives the other ranks queued on their GPUs, so such an error ends the run, as with "
+                          "oom_recovery=False. If it happens, lower the budget "
+                          "(ElixirStrategy(device_memory_limit=...)).", stacklevel=2)
+        return False
 
     def prepare(self, group: Group) -> Group:
         """Watch ``group`` for another rank's failure, and make the group a recovery will move to."""

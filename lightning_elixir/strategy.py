@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -34,7 +33,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -524,27 +523,11 @@ class ElixirStrategy(ParallelStrategy):
         group = Group.default(timeout_s=self._group_timeout_s)
         if self.recovery is None or group.world_size == 1:
             return group
-        if "nccl" in str(dist.get_backend(group.pg)):
-            self._recovery_off_on_nccl()
+        if not self.recovery.works_over(group):  # [Note: no recovery across GPUs yet] in recovery.py
+            self.planner.recovery = None
             return group
         self._runtime_group = self.recovery.prepare(new_group(group))
         return self._runtime_group
-
-    def _recovery_off_on_nccl(self) -> None:
-        """[Note: no recovery across GPUs yet]
-        The recovery learns of another rank's failure in its host waits for collectives, and then
-        gives up the old process group. On NCCL a wait makes the device's stream wait, not the host:
-        the ranks that did not run out of memory go on queueing work behind a collective the failing
-        rank never joins, their devices stall, and a given-up group's kernels would still write into
-        memory the next plan reuses. Calling them off takes aborting the communicator on every rank,
-        which is not built yet, so with NCCL and several ranks an out-of-memory error ends the run,
-        as with ``oom_recovery=False``. One GPU, and gloo, recover."""
-        assert self.planner is not None
-        self.planner.recovery = None
-        rank_zero_warn("Elixir: out-of-memory recovery is off with NCCL across several processes (it recovers on "
-                       "one GPU and on gloo): a rank that runs out of memory cannot yet call off the collectives "
-                       "the other ranks queued on their GPUs, so such an error ends the run, as with "
-                       "oom_recovery=False. If it happens, lower the budget (ElixirStrategy(device_memory_limit=...)).")
 
     @override
     def model_to_device(self) -> None:

@@ -265,12 +265,11 @@ def test_without_recovery_the_out_of_memory_error_propagates_unchanged(runs):
 def test_recovery_is_off_with_nccl_across_processes_and_says_so(monkeypatch):
     """[Note: no recovery across GPUs yet]: on NCCL with several ranks the strategy runs as with
     oom_recovery=False (one warning), rather than wait in a collective another rank never joins."""
-    from lightning_elixir import strategy as strategy_module
     from lightning_elixir.runtime.collectives import Group
 
     two_ranks = Group(pg=None, rank=0, world_size=2)
     monkeypatch.setattr(Group, "default", classmethod(lambda cls, timeout_s=None: two_ranks))
-    monkeypatch.setattr(strategy_module.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
     strategy = ElixirStrategy(plan="auto")
     assert strategy.recovery is not None
     with pytest.warns(UserWarning, match="out-of-memory recovery is off with NCCL"):
