@@ -126,6 +126,10 @@ class AccessGuard:
         """``param.grad``: autograd's own while it accumulates, else gathered from the shards."""
         with torch._C.DisableTorchFunctionSubclass():
             raw = param.grad
+        if raw is not None and not in_backward():  # a backward no hook reported: end it first
+            self.grads.finish_unreported()
+            with torch._C.DisableTorchFunctionSubclass():
+                raw = param.grad
         if raw is not None or in_backward() or not param.requires_grad:
             return raw
         chunk, slot = self.table.where(param)
@@ -207,6 +211,7 @@ class AccessGuard:
             yield
             return
         self._region = _Region()
+        self.grads.finish_unreported()  # gradients a backward left unreduced belong in the shards first
         try:
             for p in params or ():
                 self.on_param_read(p)

@@ -277,6 +277,13 @@ class Chunk:
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
         self._frozen = [(s.offset, s.end) for s in self.slots if s.numel and not s.param.requires_grad]
         """Slots of frozen parameters: zero in a reduced gradient shard, and so where one rank writes its own."""
+        self.watcher: Optional[int] = None
+        """id of the one trainable parameter whose hook stands for the chunk, once learned ([Note: one hook
+        per chunk] in grads.py); None while every trainable parameter has a hook."""
+        self.last_arrival: Optional[int] = None
+        """id of the parameter whose gradient completed the chunk in the last backward that hooked them all."""
+        self.watch_missed = False
+        """The watcher reported before the chunk's other gradients in this backward: hook them all again."""
         self.reset_grad_tracking()
 
     def reset_grad_tracking(self) -> None:
@@ -285,6 +292,8 @@ class Chunk:
         self.absent_grads: set[int] = set()
         """Trainable parameters whose unit finished its backward without them ([Note: parameters a rank
         did not use] in runtime/protocol.py): their gradient is zero on this rank."""
+        self.got_grads: set[int] = set()
+        """ids of the trainable parameters whose gradient the reduction took (those that got one here)."""
         self.grad_full: Optional[torch.Tensor] = None
         self._reduce: Optional[tuple[Any, Optional[torch.Tensor]]] = None
         self._received: Optional[torch.Tensor] = None
@@ -294,13 +303,18 @@ class Chunk:
     def grads_complete(self) -> bool:
         return not self.pending_grads
 
+    def grads_all_here(self) -> bool:
+        """Whether every trainable parameter has a gradient in ``.grad`` now (an attribute read each)."""
+        with torch._C.DisableTorchFunctionSubclass():  # the parameters may be ChunkedParameters
+            return all(slot.param.grad is not None for slot in self.trainable_slots)
+
     def take_grads(self) -> list[Optional[torch.Tensor]]:
         """The gradients autograd accumulated into the trainable parameters' ``.grad`` (None where a
         parameter got none), in ``trainable_slots`` order; the ``.grad``s go back to None.
 
         [Note: gradients land per chunk]
-        Autograd accumulates each parameter's gradient into its ``.grad`` in C++; the runtime's hook
-        per parameter only counts arrivals. When a chunk's reduction starts, all its gradients move
+        Autograd accumulates each parameter's gradient into its ``.grad`` in C++; the runtime's hooks
+        only say when the chunk has them all ([Note: one hook per chunk] in grads.py). When a chunk's reduction starts, all its gradients move
         into the reduction's buffer in one multi-tensor copy, averaged over the ranks as DDP's
         buckets are: one Python call per chunk where there was one operator per parameter. The
         views of the buffer at the parameters' slots are made once for buffers that live on (the
@@ -312,6 +326,7 @@ class Chunk:
                 grad = slot.param.grad
                 if grad is not None:
                     slot.param.grad = None
+                    self.got_grads.add(id(slot.param))
                     if grad.layout != torch.strided:
                         grad = grad.to_dense()
                 taken.append(grad)

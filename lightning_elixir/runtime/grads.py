@@ -1,10 +1,33 @@
 """Gradients from autograd to the shards: arrivals, reductions, trainable parameters, unused ones.
 
-A post-accumulate-grad hook on every trainable parameter reports its arrival (protocol.py owns the
-hook; ``GradientFlow.arrived`` is what it does for gradients): autograd has accumulated the
-parameter's whole gradient into ``.grad`` in C++, and once a chunk has all of its gradients its
-reduction may start, in the fixed order of ``Reductions`` ([Note: gradients land per chunk] in
-chunk.py).
+A post-accumulate-grad hook reports a parameter's arrival (protocol.py owns the hook;
+``GradientFlow.arrived`` is what it does for gradients): autograd has accumulated the parameter's
+whole gradient into ``.grad`` in C++, and once a chunk has all of its gradients its reduction may
+start, in the fixed order of ``Reductions`` ([Note: gradients land per chunk] in chunk.py).
+
+[Note: one hook per chunk]
+A Python hook per parameter was the last per-parameter Python work in a resident plan's step: the
+engine takes the GIL for each (about 1.3 us on these cores) and runs its body (a few calls). On the
+launch-bound GPT (host_overhead.py: 292 parameters, one chunk) that was about 850 of the step's
+7,400 Python calls; hooking one parameter per chunk instead took ZeRO-2's step from 1.03x to
+1.00x DDP's at world size 1 and from 1.11x to 1.04x at world size 2 (means of three paired runs).
+DDP's reducer hooks every parameter in C++; Python cannot, so a resident plan learns which
+parameter completes each chunk and hooks only that one:
+- Learning: every trainable parameter of the chunk is hooked and its arrivals counted, as before.
+  The one whose gradient completes the chunk in a backward (autograd runs the same graph in the same
+  order each time) becomes its watcher, and the other hooks go at the end of that backward.
+- Watching: when the watcher's hook fires, the chunk is complete if every trainable parameter has a
+  ``.grad`` (an attribute read each: a check, not a hook). If one has none (a step that used the
+  parameters differently), the chunk waits for the end of backward, as an incomplete chunk always
+  did, and learns again: correct either way, only the overlap of that one reduction is lost.
+- A backward that fires no watcher (one reaching only parameters that are not watchers) queues no
+  end of backward. Its gradients are left in ``.grad``, so before anything reads or drops the
+  shards (the optimizer step, clipping, ``zero_grad``, a gathered read, the agreement) and before
+  the next forward, ``finish_unreported`` looks for them (one attribute read per parameter) and ends
+  that backward there. Every rank issues the same reductions in the same order either way: a rank
+  that ended it late issues them before its next collective, where the others issued them earlier.
+Plans that are not resident keep a hook per parameter: their units' backward calls wait for each
+parameter of the unit to release its chunks ([Note: the hook protocol] in protocol.py).
 
 [Note: trainable parameters can change]
 Users freeze and unfreeze parameters during training (a backbone unfrozen after some steps, a
@@ -79,13 +102,23 @@ class GradientFlow:
         ([Note: reading the agreement later]); set where reading it waits for a device."""
         self._unread: Optional[tuple[collectives.Agreement, Any]] = None
         self._elsewhere: Optional[frozenset[int]] = None
+        self.finish_unreported: Callable[[], None] = _nothing
+        """Ends a backward whose gradients no hook reported ([Note: one hook per chunk]); set by the protocol."""
 
     def arrived(self, chunk: Chunk, pid: int) -> None:
         """A parameter of ``chunk`` has its gradient: start the reductions that are ready now."""
         pending = chunk.pending_grads
-        pending.discard(pid)
-        if not pending:
-            self.reductions.start_ready()
+        if pid == chunk.watcher:  # it stands for the chunk ([Note: one hook per chunk])
+            if not chunk.grads_all_here():
+                chunk.watch_missed = True
+                return
+            pending.clear()
+        else:
+            pending.discard(pid)
+            if pending:
+                return
+            chunk.last_arrival = pid
+        self.reductions.start_ready()
 
     def absent(self, chunk: Chunk, pid: int) -> None:
         """A parameter of ``chunk`` gets no gradient in this backward: count it as arrived (zero)."""
@@ -103,16 +136,19 @@ class GradientFlow:
 
     def shards(self) -> list[torch.Tensor]:
         """This rank's gradient shards, one per chunk that has trainable parameters."""
+        self.finish_unreported()
         return [c.grad_shard for c in self.table.chunks if c.grad_requiring and self.reductions.valid[c.index]]
 
     def forget(self) -> None:
         """Gradients were zeroed: the next backward overwrites the shards; the views' gradients go."""
+        self.finish_unreported()
         self.reductions.forget()
         for view in self.table.views.values():
             view.grad = None
 
     def forget_grad(self, param: nn.Parameter) -> None:
         """``param.grad = None`` for one parameter: its part of the gradient shard reads as zero."""
+        self.finish_unreported()
         chunk, slot = self.table.where(param)
         begin, end = chunk.shard_range(slot)
         chunk.settle()
@@ -158,6 +194,7 @@ class GradientFlow:
     def read_agreement(self) -> None:
         """Read and check the agreement left unread at the last optimizer step, if any
         ([Note: reading the agreement later]): raises ``RankDivergenceError`` if the ranks diverged."""
+        self.finish_unreported()
         if self._unread is not None:
             (agreement, optimizer), self._unread = self._unread, None
             self._settle(agreement, optimizer, [])
@@ -191,6 +228,10 @@ class GradientFlow:
                                  if view is not None and state.get(view))
 
 
+def _nothing() -> None:
+    pass
+
+
 def _hyperparameter_print(optimizer: Any) -> float:
     """A fingerprint of the param groups' scalar hyperparameters (lr, betas, ...)."""
     return collectives.fingerprint([sorted((k, v) for k, v in group.items() if isinstance(v, (bool, int, float, tuple)))
@@ -218,7 +259,13 @@ class Trainable:
         self._initially = self.flags
         self._hooks: dict[int, Any] = {}
         self._warned = False
+        self.watching = False
+        """Whether chunks keep one hook each once learned ([Note: one hook per chunk]); set for resident plans."""
+        self._trainable = self._trainable_params()
         self.hook_new()
+
+    def _trainable_params(self) -> list[nn.Parameter]:
+        return [p for (p, _), trainable in zip(self.by_id.values(), self.flags) if trainable]
 
     def _flags(self) -> list[bool]:
         with torch._C.DisableTorchFunctionSubclass():  # an attribute read: no ChunkedParameter dispatch
@@ -229,6 +276,34 @@ class Trainable:
         for pid, (p, chunk) in self.by_id.items():
             if p.requires_grad and pid not in self._hooks:
                 self._hooks[pid] = p.register_post_accumulate_grad_hook(self.make_hook(chunk, pid))
+
+    def watch_learned(self) -> None:
+        """End of a backward: a chunk that learned which gradient completes it keeps that one hook; one
+        whose watcher reported early gets every hook back ([Note: one hook per chunk])."""
+        for chunk in self.table.chunks:
+            if chunk.watch_missed:
+                chunk.watch_missed = False
+                chunk.watcher = chunk.last_arrival = None
+                for slot in chunk.trainable_slots:
+                    pid = id(slot.param)
+                    if pid not in self._hooks:
+                        self._hooks[pid] = slot.param.register_post_accumulate_grad_hook(self.make_hook(chunk, pid))
+            elif chunk.watcher is None and chunk.last_arrival is not None:
+                chunk.watcher = chunk.last_arrival
+                for slot in chunk.trainable_slots:
+                    pid = id(slot.param)
+                    if pid != chunk.watcher and pid in self._hooks:
+                        self._hooks.pop(pid).remove()
+
+    @property
+    def hooked(self) -> int:
+        """How many parameters have a hook now."""
+        return len(self._hooks)
+
+    def unreported(self) -> bool:
+        """Whether a trainable parameter holds a gradient that no reduction took yet."""
+        with torch._C.DisableTorchFunctionSubclass():  # an attribute read: no ChunkedParameter dispatch
+            return any(p.grad is not None for p in self._trainable)
 
     def trainable_ids(self, param_ids: frozenset[int]) -> frozenset[int]:
         """Those of ``param_ids`` that are trainable now and live in public chunks."""
@@ -241,8 +316,9 @@ class Trainable:
         if flags == self.flags:
             return False
         self.flags = flags
+        self._trainable = self._trainable_params()
         for chunk in self.table.chunks:
-            chunk.track_trainable()
+            chunk.track_trainable()  # every chunk learns its watcher again
         self.on_change()
         self.hook_new()
         for pid, view in self.table.views.items():
@@ -257,3 +333,6 @@ class Trainable:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        for chunk in self.table.chunks:
+            chunk.watcher = chunk.last_arrival = None
+            chunk.watch_missed = False

@@ -27,8 +27,10 @@ operator that touched a parameter. What a step costs the host now:
   that its operators run with no Python in between; its post-forward makes them report reads again
   (``ChunkedParameter``), so reads anywhere else are still served or refused
   ([Note: reading outside the hooks] in access.py);
-- per trainable parameter, a post-accumulate-grad hook that only counts arrivals; the gradients
-  move to their chunk in one multi-tensor copy per chunk ([Note: gradients land per chunk]);
+- per chunk, in a resident plan, one post-accumulate-grad hook on the parameter learned to complete
+  it ([Note: one hook per chunk] in grads.py); otherwise one per trainable parameter, which only
+  counts arrivals. The gradients move to their chunk in one multi-tensor copy per chunk
+  ([Note: gradients land per chunk]);
 - per chunk, its gather and its reduction;
 - no ``record_function`` unless a profiler runs (hotpath.py).
 
@@ -183,6 +185,7 @@ class StepProtocol:
         """Chunks pinned for a later backward through a graph this one builds (see release_graph_pins)."""
         self._handles: list[Any] = []
         self.trainable = Trainable(table, self._param_hook, self._trainable_changed)
+        grads.finish_unreported = self.finish_unreported
         table.set_units(self._units(module))
 
     def _units(self, module: nn.Module) -> list[UnitState]:
@@ -201,6 +204,7 @@ class StepProtocol:
     def install(self, resident: bool) -> None:
         """Register the root's and every unit's hooks; ``resident``: see [Note: resident plans]."""
         self.resident = resident
+        self.trainable.watching = resident  # [Note: one hook per chunk] in grads.py
         root = self.module
         self._handles.append(root.register_forward_pre_hook(eager(lambda mod, args: self.root_pre_forward()),
                                                             prepend=True))
@@ -249,6 +253,7 @@ class StepProtocol:
             self.cache.invalidate()  # nor into the next step: it starts from an empty cache, as planned
         self._evaluated = not training
         if training:
+            self.finish_unreported()
             self.trainable.refresh()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.FORWARD
@@ -516,12 +521,22 @@ class StepProtocol:
             self.phase = Phase.IDLE
             self._drop_recomputation()
             self.grads.finish()
+            if self.trainable.watching:
+                self.trainable.watch_learned()
             self._release_backward_calls()
             if not self._creating_graph:
                 self.release_graph_pins()
             self.guard.release_sticky()
             self.cache.shrink()
             self.micro_batches += 1
+
+    def finish_unreported(self) -> None:
+        """End a backward that left gradients no hook reported ([Note: one hook per chunk] in grads.py)."""
+        if (self.trainable.watching and self.phase is not Phase.BACKWARD and not in_backward()
+                and self.trainable.unreported()):
+            self.guard.flush_grads()
+            self._creating_graph = False
+            self._finish_backward()
 
     @property
     def holds_graphs(self) -> bool:

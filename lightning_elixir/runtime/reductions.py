@@ -93,7 +93,7 @@ class Reductions:
         chunk.finish_reduce(accumulate=accumulate)
         if not accumulate:
             self.seen.difference_update(id(s.param) for s in chunk.slots)
-        self.seen.update(chunk.grad_requiring - chunk.pending_grads - chunk.absent_grads)
+        self.seen.update(chunk.got_grads)
         self.valid[chunk.index] = True
         for view, grad in self._targets(chunk):
             if view.requires_grad:  # read now: Lightning's toggle_optimizer sets it on the views mid-step

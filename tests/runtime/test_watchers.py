@@ -1,0 +1,126 @@
+"""One hook per chunk in resident plans ([Note: one hook per chunk] in runtime/grads.py).
+
+A resident plan learns which parameter's gradient completes each chunk and keeps only that hook.
+These steps break the learned order on purpose, on 2 gloo ranks and in one process: a backward that
+reaches no watcher (its gradients are found before the optimizer step, the next forward or a read),
+a watcher that reports while other parameters of its chunk have no gradient (the chunk waits for
+the end of backward and learns again), ranks that use different parameters in the same step, and
+accumulation over a micro-batch that reached no watcher. Every step must give the weights,
+gradients and optimizer state of one process that trains on all the ranks' rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan
+from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from tests.distributed import run_distributed
+
+ROWS = 4
+WIDTH = 8
+
+# Per step, what each micro-batch computes on rank 0 and on rank 1 (a single process uses the rank's rows).
+STEPS: list[list[tuple[str, str]]] = [
+    [("full", "full")],  # learning: every parameter hooked, the trunk completes the chunk last
+    [("full", "full")],  # watching: one hook
+    [("head", "head")],  # the watcher (in the trunk) gets no gradient: nothing reports this backward
+    [("trunk", "trunk")],  # the watcher reports, the head has no gradient: wait for the end, learn again
+    [("full", "full")],  # learning again
+    [("head", "full")],  # rank 0 reports nothing, rank 1 reduces during backward
+    [("head", "head"), ("full", "full")],  # accumulation: the first micro-batch reports nothing
+    [("full", "full")],
+]
+
+
+class Branches(nn.Module):
+    """Two layers in one module, so in one chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk_weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.trunk_bias = nn.Parameter(torch.randn(WIDTH) / WIDTH)
+        self.head_weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.head_bias = nn.Parameter(torch.randn(WIDTH) / WIDTH)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        if mode != "head":
+            x = F.linear(x, self.trunk_weight, self.trunk_bias)
+            if mode == "trunk":
+                return x
+            x = torch.relu(x)
+        return F.linear(x, self.head_weight, self.head_bias)
+
+
+def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(2 * ROWS, WIDTH, generator=g), torch.randn(2 * ROWS, WIDTH, generator=g)
+
+
+def _reference_step(model: nn.Module, step: int, world_size: int) -> None:
+    """The loss every rank's rows give together, averaged over the ranks as the gradients are."""
+    for micro, modes in enumerate(STEPS[step]):
+        x, y = _batch(step, micro)
+        loss = sum(F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS], modes[r]), y[r * ROWS:(r + 1) * ROWS])
+                   for r in range(world_size)) / world_size
+        loss.backward()
+
+
+def _train(rank: int, world_size: int) -> dict:
+    from lightning_elixir.runtime.collectives import Group
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+
+    torch.manual_seed(0)
+    model = Branches()
+    reference = Branches()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1024, cache_blocks=CACHE_ALL), group=Group.default())
+    assert runtime.resident and len(runtime.chunks) == 1
+    optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    hooked, grads, weights = [], [], []
+    for step, micro_batches in enumerate(STEPS):
+        for micro, modes in enumerate(micro_batches):
+            x, y = _batch(step, micro)
+            with runtime.step_region():
+                runtime.begin_iteration()
+                loss = F.mse_loss(model(x[rows], modes[rank]), y[rows])
+            loss.backward()
+        with runtime.gathered():  # what a callback before the optimizer step reads
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        optimizer_step(runtime, optimizer)
+        optimizer.zero_grad()
+        hooked.append(runtime.trainable.hooked)
+        _reference_step(reference, step, world_size)
+        grads[-1] = (grads[-1], [None if p.grad is None else p.grad.clone() for p in reference.parameters()])
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with runtime.gathered():
+            weights.append(([p.detach().clone() for p in model.parameters()],
+                            [p.detach().clone() for p in reference.parameters()]))
+    return {"hooked": hooked, "grads": grads, "weights": weights}
+
+
+def _check(result: dict) -> None:
+    for step, ((got, want), (w_got, w_want)) in enumerate(zip(result["grads"], result["weights"])):
+        for g, r in zip(got, want):  # read before the step, a gradient no rank got reads as zero, not None
+            if r is None:
+                assert g is None or not g.any(), f"step {step}: a gradient where none was computed"
+            else:
+                torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} grads: {m}")
+        for p, r in zip(w_got, w_want):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} weights: {m}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_one_hook_per_chunk_matches_one_process(world_size):
+    results = run_distributed(_train, world_size)
+    for result in results:
+        _check(result)
+    # 4 trainable parameters in one chunk: all hooked while learning, one while watching; the step whose
+    # watcher reported early (the trunk alone) hooks them all again, and the next full step learns.
+    assert results[0]["hooked"] == [1, 1, 1, 4, 1, 1, 1, 1], results[0]["hooked"]
