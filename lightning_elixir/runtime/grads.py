@@ -20,7 +20,10 @@ parameter completes each chunk and hooks only that one:
   ``.grad`` (an attribute read each: a check, not a hook). If one has none (a step that used the
   parameters differently), the chunk waits for the end of backward, as an incomplete chunk always
   did, and learns again: correct either way, only the overlap of that one reduction is lost.
-- A backward that fires no watcher (one reaching only parameters that are not watchers) queues no
+- The parameter whose gradient arrived first in a backward keeps its hook too: a backward begins,
+  and queues its end, in the graph task it began in with every hook. (The first watcher to fire
+  may be inside a reentrant checkpoint's nested backward, whose end is not the backward's.)
+- A backward that fires no hook (one reaching only parameters that are not watchers) queues no
   end of backward. Its gradients are left in ``.grad``, so before anything reads or drops the
   shards (the optimizer step, clipping, ``zero_grad``, a gathered read, the agreement) and before
   the next forward, ``finish_unreported`` looks for them (one attribute read per parameter) and ends
@@ -261,6 +264,9 @@ class Trainable:
         self._warned = False
         self.watching = False
         """Whether chunks keep one hook each once learned ([Note: one hook per chunk]); set for resident plans."""
+        self.first_arrival: Optional[int] = None
+        """id of the parameter whose hook fired first in a backward: its hook is kept, so that a backward
+        begins (and its end is queued) in the same graph task as with every hook."""
         self._trainable = self._trainable_params()
         self.hook_new()
 
@@ -292,7 +298,7 @@ class Trainable:
                 chunk.watcher = chunk.last_arrival
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
-                    if pid != chunk.watcher and pid in self._hooks:
+                    if pid not in (chunk.watcher, self.first_arrival) and pid in self._hooks:
                         self._hooks.pop(pid).remove()
 
     @property

@@ -486,6 +486,8 @@ class StepProtocol:
 
         def hook(param: torch.Tensor) -> None:
             with label("Elixir::post_accumulate_grad"):
+                if self.phase is not Phase.BACKWARD:
+                    self.trainable.first_arrival = pid  # its hook stays: it begins backward where it did
                 self._backward_event()
                 if not self.resident:  # a resident plan opens no backward calls
                     unit = owner(pid)

@@ -24,35 +24,36 @@ ROWS = 4
 WIDTH = 8
 
 # Per step, what each micro-batch computes on rank 0 and on rank 1 (a single process uses the rank's rows).
+# In a full forward the gradients arrive head, middle, trunk: the head's hook begins backward, the trunk's
+# completes the chunk (its watcher).
 STEPS: list[list[tuple[str, str]]] = [
-    [("full", "full")],  # learning: every parameter hooked, the trunk completes the chunk last
-    [("full", "full")],  # watching: one hook
-    [("head", "head")],  # the watcher (in the trunk) gets no gradient: nothing reports this backward
-    [("trunk", "trunk")],  # the watcher reports, the head has no gradient: wait for the end, learn again
+    [("full", "full")],  # learning: every parameter hooked
+    [("full", "full")],  # watching: the head's hook and the trunk's
+    [("middle", "middle")],  # no hooked parameter gets a gradient: nothing reports this backward
+    [("trunk", "trunk")],  # the watcher reports, the others have no gradient: wait for the end, learn again
     [("full", "full")],  # learning again
-    [("head", "full")],  # rank 0 reports nothing, rank 1 reduces during backward
-    [("head", "head"), ("full", "full")],  # accumulation: the first micro-batch reports nothing
+    [("middle", "full")],  # rank 0 reports nothing, rank 1 reduces during backward
+    [("middle", "middle"), ("full", "full")],  # accumulation: the first micro-batch reports nothing
+    [("head", "head")],  # backward begins, the watcher never reports: the chunk is reduced at its end
     [("full", "full")],
 ]
 
 
-class Branches(nn.Module):
-    """Two layers in one module, so in one chunk."""
+class Layers(nn.Module):
+    """Three layers in one module, so in one chunk."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.trunk_weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
-        self.trunk_bias = nn.Parameter(torch.randn(WIDTH) / WIDTH)
-        self.head_weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
-        self.head_bias = nn.Parameter(torch.randn(WIDTH) / WIDTH)
+        self.trunk = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.middle = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.head = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
 
     def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
-        if mode != "head":
-            x = F.linear(x, self.trunk_weight, self.trunk_bias)
-            if mode == "trunk":
-                return x
-            x = torch.relu(x)
-        return F.linear(x, self.head_weight, self.head_bias)
+        if mode != "full":
+            return F.linear(x, getattr(self, mode))
+        x = torch.relu(F.linear(x, self.trunk))
+        x = torch.relu(F.linear(x, self.middle))
+        return F.linear(x, self.head)
 
 
 def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +75,8 @@ def _train(rank: int, world_size: int) -> dict:
     from lightning_elixir.runtime.runtime import ElixirRuntime
 
     torch.manual_seed(0)
-    model = Branches()
-    reference = Branches()
+    model = Layers()
+    reference = Layers()
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1024, cache_blocks=CACHE_ALL), group=Group.default())
@@ -121,6 +122,65 @@ def test_one_hook_per_chunk_matches_one_process(world_size):
     results = run_distributed(_train, world_size)
     for result in results:
         _check(result)
-    # 4 trainable parameters in one chunk: all hooked while learning, one while watching; the step whose
-    # watcher reported early (the trunk alone) hooks them all again, and the next full step learns.
-    assert results[0]["hooked"] == [1, 1, 1, 4, 1, 1, 1, 1], results[0]["hooked"]
+    # 3 parameters in one chunk: all hooked while learning, two while watching (the first to arrive, the
+    # watcher); the step whose watcher reported early (the trunk alone) hooks them all again.
+    assert results[0]["hooked"] == [2, 2, 2, 3, 2, 2, 2, 2, 2], results[0]["hooked"]
+
+
+class Checkpointed(nn.Module):
+    """Blocks under reentrant checkpointing (Hugging Face's default), then a head that is not: every
+    block's gradients arrive in a backward nested in the step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(lambda h, b=block: torch.relu(b(h)), x, use_reentrant=True)
+        return self.head(x)
+
+
+def _train_checkpointed(rank: int, world_size: int) -> dict:
+    from lightning_elixir.runtime.collectives import Group
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+
+    torch.manual_seed(0)
+    model, reference = Checkpointed(), Checkpointed()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # three blocks per chunk: the last chunk's watcher is a block's, inside a nested backward
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=3 * 128, cache_blocks=CACHE_ALL), group=Group.default())
+    optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    steps = 4
+    for step in range(steps):
+        x, y = _batch(step, 0)
+        x.requires_grad_()  # reentrant checkpointing needs an input that requires grad
+        with runtime.step_region():
+            runtime.begin_iteration()
+            loss = F.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer_step(runtime, optimizer)
+        optimizer.zero_grad()
+        ref_loss = sum(F.mse_loss(reference(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
+                       for r in range(world_size)) / world_size
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with runtime.gathered():
+        weights = [(p.detach().clone(), r.detach().clone()) for p, r in zip(model.parameters(), reference.parameters())]
+    return {"weights": weights, "retired": runtime.grads.reductions.retired, "steps": steps,
+            "chunks": len(runtime.chunks), "hooked": runtime.trainable.hooked}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_one_hook_per_chunk_under_reentrant_checkpointing(world_size):
+    for result in run_distributed(_train_checkpointed, world_size):
+        for p, r in result["weights"]:
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert result["chunks"] > 1
+        assert result["hooked"] < 10  # of 10 parameters: the chunks' watchers and the first to arrive
+        # one reduction per chunk and backward: the backward ends once, where the step's ends
+        assert result["retired"] == result["steps"] * result["chunks"], result
