@@ -277,13 +277,17 @@ class Chunk:
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
         self._frozen = [(s.offset, s.end) for s in self.slots if s.numel and not s.param.requires_grad]
         """Slots of frozen parameters: zero in a reduced gradient shard, and so where one rank writes its own."""
-        self.watcher: Optional[int] = None
-        """id of the one trainable parameter whose hook stands for the chunk, once learned ([Note: one hook
-        per chunk] in grads.py); None while every trainable parameter has a hook."""
-        self.last_arrival: Optional[int] = None
-        """id of the parameter whose gradient completed the chunk in the last backward that hooked them all."""
-        self.watch_missed = False
-        """The watcher reported before the chunk's other gradients in this backward: hook them all again."""
+        if not hasattr(self, "watcher") or (self.grad_requiring and self.grad_requiring != self.learned_for):
+            self.watcher: Optional[int] = None
+            """id of the one trainable parameter whose hook stands for the chunk, once learned ([Note: one
+            hook per chunk] in grads.py); None while every trainable parameter has a hook."""
+            self.learned_for: frozenset[int] = frozenset()
+            """The trainable parameters the watcher was learned for: kept while they are frozen (an
+            optimizer toggled off) and used again when the same ones train."""
+            self.last_arrival: Optional[int] = None
+            """id of the parameter whose gradient completed the chunk in the last backward that hooked them all."""
+            self.watch_missed = False
+            """The watcher reported before the chunk's other gradients in this backward: hook them all again."""
         self.reset_grad_tracking()
 
     def reset_grad_tracking(self) -> None:

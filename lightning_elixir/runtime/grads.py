@@ -268,6 +268,8 @@ class Trainable:
         """id of the parameter whose hook fired first in a backward: its hook is kept, so that a backward
         begins (and its end is queued) in the same graph task as with every hook."""
         self._trainable = self._trainable_params()
+        self.registered = 0
+        """Hooks registered so far."""
         self.hook_new()
 
     def _trainable_params(self) -> list[nn.Parameter]:
@@ -278,10 +280,16 @@ class Trainable:
             return [p.requires_grad for p, _ in self.by_id.values()]
 
     def hook_new(self) -> None:
-        """A post-accumulate-grad hook on every trainable parameter that has none yet."""
+        """A post-accumulate-grad hook on every trainable parameter that has none yet (of a chunk that has
+        learned its watcher, on the watcher and the first to arrive)."""
         for pid, (p, chunk) in self.by_id.items():
-            if p.requires_grad and pid not in self._hooks:
-                self._hooks[pid] = p.register_post_accumulate_grad_hook(self.make_hook(chunk, pid))
+            if (p.requires_grad and pid not in self._hooks
+                    and (chunk.watcher is None or pid in (chunk.watcher, self.first_arrival))):
+                self._hook(p, chunk)
+
+    def _hook(self, param: nn.Parameter, chunk: Chunk) -> None:
+        self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self.make_hook(chunk, id(param)))
+        self.registered += 1
 
     def watch_learned(self) -> None:
         """End of a backward: a chunk that learned which gradient completes it keeps that one hook; one
@@ -293,9 +301,10 @@ class Trainable:
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
                     if pid not in self._hooks:
-                        self._hooks[pid] = slot.param.register_post_accumulate_grad_hook(self.make_hook(chunk, pid))
+                        self._hook(slot.param, chunk)
             elif chunk.watcher is None and chunk.last_arrival is not None:
                 chunk.watcher = chunk.last_arrival
+                chunk.learned_for = frozenset(chunk.grad_requiring)
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
                     if pid not in (chunk.watcher, self.first_arrival) and pid in self._hooks:
@@ -324,7 +333,7 @@ class Trainable:
         self.flags = flags
         self._trainable = self._trainable_params()
         for chunk in self.table.chunks:
-            chunk.track_trainable()  # every chunk learns its watcher again
+            chunk.track_trainable()  # a chunk whose trainable parameters changed learns its watcher again
         self.on_change()
         self.hook_new()
         for pid, view in self.table.views.items():

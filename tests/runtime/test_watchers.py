@@ -184,3 +184,61 @@ def test_one_hook_per_chunk_under_reentrant_checkpointing(world_size):
         assert result["hooked"] < 10  # of 10 parameters: the chunks' watchers and the first to arrive
         # one reduction per chunk and backward: the backward ends once, where the step's ends
         assert result["retired"] == result["steps"] * result["chunks"], result
+
+
+class TwoParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+        self.second = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def _train_toggled(rank: int, world_size: int) -> dict:
+    """Each step trains one part with the other frozen, as Lightning's ``toggle_optimizer`` does."""
+    from lightning_elixir.runtime.collectives import Group
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+
+    torch.manual_seed(0)
+    model, reference = TwoParts(), TwoParts()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=256, cache_blocks=CACHE_ALL), group=Group.default())
+    optimizer = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    hooked, registered = [], []
+    for step in range(6):
+        for m in (model, reference):
+            m.first.requires_grad_(step % 2 == 0)
+            m.second.requires_grad_(step % 2 == 1)
+        x, y = _batch(step, 0)
+        with runtime.step_region():
+            runtime.begin_iteration()
+            loss = F.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer_step(runtime, optimizer)
+        optimizer.zero_grad()
+        hooked.append(runtime.trainable.hooked)
+        registered.append(runtime.trainable.registered)
+        ref_loss = sum(F.mse_loss(reference(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
+                       for r in range(world_size)) / world_size
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with runtime.gathered():
+        weights = [(p.detach().clone(), r.detach().clone()) for p, r in zip(model.parameters(), reference.parameters())]
+    return {"weights": weights, "hooked": hooked, "registered": registered, "chunks": len(runtime.chunks)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_watchers_are_kept_while_their_parameters_are_frozen(world_size):
+    for result in run_distributed(_train_toggled, world_size):
+        for p, r in result["weights"]:
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert result["chunks"] == 2
+        # 8 parameters hooked at the start; each part learns once, then toggling back and forth registers no
+        # hook again, and each part keeps two (its watcher and the first parameter to arrive)
+        assert result["registered"] == [8] * 6, result["registered"]
+        assert result["hooked"][1:] == [4] * 5, result["hooked"]
