@@ -246,6 +246,7 @@ class OutOfMemoryRecovery:
 
     def begin(self, runtime: Any, results: Any) -> None:
         """A micro-batch starts: keep what a redo must find as before."""
+        runtime.finish_unreported()  # an earlier micro-batch's gradients count as landed before this one
         if self._slots is None or self._slots[0] is not runtime:  # found once per runtime
             self._slots = (runtime, state_slots(runtime.module))
         self.snapshot = StepSnapshot.take(runtime.module, results, runtime.device.type == "cuda", self._slots[1])

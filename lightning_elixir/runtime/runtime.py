@@ -326,6 +326,11 @@ class ElixirRuntime:
         for chunk in self.chunks:
             chunk.group = group
 
+    def finish_unreported(self) -> None:
+        """End a backward whose gradients no hook reported ([Note: one hook per chunk] in grads.py), so
+        that they are in the shards; every rank calls it at the same point."""
+        self.protocol.finish_unreported()
+
     def read_agreement(self) -> None:
         """Check the ranks' agreement of the last optimizer step if it was left unread ([Note: reading the
         agreement later] in grads.py): before anything is saved, and when the run ends."""
