@@ -70,6 +70,7 @@ class Chunk:
         self.grad_buffers = GradBuffers()
         """Where full-size gradient buffers come from; the runtime's chunks share one."""
         self.slots = slots
+        self.param_ids = frozenset(id(s.param) for s in slots)
         self.group = group
         self.numel = spec.numel
         self.shard_numel = spec.numel // group.world_size

@@ -51,6 +51,8 @@ class Reductions:
         """The next chunk in ``order`` to retire; those from it up to ``_next_start`` are in flight."""
         self.retired = 0
         """Reductions retired so far (their sums are in the shards): a count that only grows."""
+        self._accumulating: dict[int, bool] = {}
+        """Per chunk in flight, whether its reduction adds to the shard."""
 
     def reorder(self) -> None:
         """The fixed order over the chunks that have trainable parameters now."""
@@ -81,7 +83,8 @@ class Reductions:
         """Start the next reduction; retire the oldest beyond ``REDUCE_BUFFERS`` in flight."""
         chunk = self.order[self._next_start]
         stream = self.offload.copy_stream if chunk.offloaded else None
-        chunk.start_reduce(stream, accumulate=self._accumulates(chunk))
+        accumulate = self._accumulating[chunk.index] = self._accumulates(chunk)
+        chunk.start_reduce(stream, accumulate=accumulate)
         self._next_start += 1
         while self._next_start - self._next_retire > REDUCE_BUFFERS:
             self._retire()
@@ -89,10 +92,10 @@ class Reductions:
     def _retire(self) -> None:
         """Finish the oldest reduction in flight: its shard holds this backward's gradient, its buffers go."""
         chunk = self.order[self._next_retire]
-        accumulate = self._accumulates(chunk)
+        accumulate = self._accumulating.pop(chunk.index)  # as decided when it started
         chunk.finish_reduce(accumulate=accumulate)
         if not accumulate:
-            self.seen.difference_update(id(s.param) for s in chunk.slots)
+            self.seen -= chunk.param_ids
         self.seen.update(chunk.got_grads)
         self.valid[chunk.index] = True
         for view, grad in self._targets(chunk):
