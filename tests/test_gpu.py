@@ -50,6 +50,15 @@ def test_cuda_fp32_matches_plain_training(blocks):
     assert ours == pytest.approx(theirs, rel=1e-4)
 
 
+def test_cuda_one_hook_per_chunk_matches_plain_training():
+    """[Note: one hook per chunk]: the learned order broken on purpose, in one process on the GPU."""
+    from tests.runtime.test_watchers import _train, check
+
+    result = _train(0, 1, "cuda")
+    check(result)
+    assert result["hooked"] == [2, 2, 2, 3, 2, 2, 2, 2, 2], result["hooked"]
+
+
 def test_cuda_blocks_compiled_with_inductor_train_as_plain_compiled_training():
     """[Note: compiled models]: each block compiled in place, a gathering plan against no Elixir."""
     torch.manual_seed(0)

@@ -61,32 +61,34 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2 * ROWS, WIDTH, generator=g), torch.randn(2 * ROWS, WIDTH, generator=g)
 
 
-def _reference_step(model: nn.Module, step: int, world_size: int) -> None:
+def _reference_step(model: nn.Module, step: int, world_size: int, device: str) -> None:
     """The loss every rank's rows give together, averaged over the ranks as the gradients are."""
     for micro, modes in enumerate(STEPS[step]):
-        x, y = _batch(step, micro)
+        x, y = (t.to(device) for t in _batch(step, micro))
         loss = sum(F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS], modes[r]), y[r * ROWS:(r + 1) * ROWS])
                    for r in range(world_size)) / world_size
         loss.backward()
 
 
-def _train(rank: int, world_size: int) -> dict:
+def _train(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """Also run in one process on a GPU (tests/test_gpu.py)."""
     from lightning_elixir.runtime.collectives import Group
     from lightning_elixir.runtime.runtime import ElixirRuntime
 
     torch.manual_seed(0)
-    model = Layers()
-    reference = Layers()
+    model = Layers().to(device)
+    reference = Layers().to(device)
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1024, cache_blocks=CACHE_ALL), group=Group.default())
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1024, cache_blocks=CACHE_ALL), group=Group.default(),
+                            device=device)
     assert runtime.resident and len(runtime.chunks) == 1
     optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     hooked, grads, weights = [], [], []
     for step, micro_batches in enumerate(STEPS):
         for micro, modes in enumerate(micro_batches):
-            x, y = _batch(step, micro)
+            x, y = (t.to(device) for t in _batch(step, micro))
             with runtime.step_region():
                 runtime.begin_iteration()
                 loss = F.mse_loss(model(x[rows], modes[rank]), y[rows])
@@ -96,7 +98,7 @@ def _train(rank: int, world_size: int) -> dict:
         optimizer_step(runtime, optimizer)
         optimizer.zero_grad()
         hooked.append(runtime.trainable.hooked)
-        _reference_step(reference, step, world_size)
+        _reference_step(reference, step, world_size, device)
         grads[-1] = (grads[-1], [None if p.grad is None else p.grad.clone() for p in reference.parameters()])
         ref_opt.step()
         ref_opt.zero_grad()
@@ -106,7 +108,7 @@ def _train(rank: int, world_size: int) -> dict:
     return {"hooked": hooked, "grads": grads, "weights": weights}
 
 
-def _check(result: dict) -> None:
+def check(result: dict) -> None:
     for step, ((got, want), (w_got, w_want)) in enumerate(zip(result["grads"], result["weights"])):
         for g, r in zip(got, want):  # read before the step, a gradient no rank got reads as zero, not None
             if r is None:
@@ -121,7 +123,7 @@ def _check(result: dict) -> None:
 def test_one_hook_per_chunk_matches_one_process(world_size):
     results = run_distributed(_train, world_size)
     for result in results:
-        _check(result)
+        check(result)
     # 3 parameters in one chunk: all hooked while learning, two while watching (the first to arrive, the
     # watcher); the step whose watcher reported early (the trunk alone) hooks them all again.
     assert results[0]["hooked"] == [2, 2, 2, 3, 2, 2, 2, 2, 2], results[0]["hooked"]
