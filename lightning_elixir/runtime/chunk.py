@@ -319,9 +319,10 @@ class Chunk:
 
         [Note: gradients land per chunk]
         Autograd accumulates each parameter's gradient into its ``.grad`` in C++; the runtime's hooks
-        only say when the chunk has them all ([Note: one hook per chunk] in grads.py). When a chunk's reduction starts, all its gradients move
-        into the reduction's buffer in one multi-tensor copy, averaged over the ranks as DDP's
-        buckets are: one Python call per chunk where there was one operator per parameter. The
+        only say when the chunk has them all ([Note: one hook per chunk] in grads.py). When a
+        chunk's reduction starts, all its gradients move into the reduction's buffer in one
+        multi-tensor copy, averaged over the ranks as DDP's buckets are: one Python call per chunk
+        where there was one operator per parameter. The
         views of the buffer at the parameters' slots are made once for buffers that live on (the
         gradient shard where it is the chunk, the reused CPU buffers).
         """
