@@ -105,6 +105,7 @@ class Chunk:
         self.grad_shard = _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
         self.pending_update: Optional[Future] = None
         """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
+        self.forget_watcher()
         self.track_trainable()
 
     # ---- state ------------------------------------------------------------------------------
@@ -278,18 +279,22 @@ class Chunk:
         self._grad_holes = _holes(self.numel, [(s.offset, s.end) for s in self.trainable_slots])
         self._frozen = [(s.offset, s.end) for s in self.slots if s.numel and not s.param.requires_grad]
         """Slots of frozen parameters: zero in a reduced gradient shard, and so where one rank writes its own."""
-        if not hasattr(self, "watcher") or (self.grad_requiring and self.grad_requiring != self.learned_for):
-            self.watcher: Optional[int] = None
-            """id of the one trainable parameter whose hook stands for the chunk, once learned ([Note: one
-            hook per chunk] in grads.py); None while every trainable parameter has a hook."""
-            self.learned_for: frozenset[int] = frozenset()
-            """The trainable parameters the watcher was learned for: kept while they are frozen (an
-            optimizer toggled off) and used again when the same ones train."""
-            self.last_arrival: Optional[int] = None
-            """id of the parameter whose gradient completed the chunk in the last backward that hooked them all."""
-            self.watch_missed = False
-            """The watcher reported before the chunk's other gradients in this backward: hook them all again."""
+        if self.grad_requiring and self.grad_requiring != self.learned_for:
+            self.forget_watcher()
         self.reset_grad_tracking()
+
+    def forget_watcher(self) -> None:
+        """Learn again which parameter completes the chunk ([Note: one hook per chunk] in grads.py)."""
+        self.watcher: Optional[int] = None
+        """id of the one trainable parameter whose hook stands for the chunk, once learned; None while
+        every trainable parameter has a hook."""
+        self.learned_for: frozenset[int] = frozenset()
+        """The trainable parameters the watcher was learned for: kept while they are frozen (an
+        optimizer toggled off) and used again when the same ones train."""
+        self.last_arrival: Optional[int] = None
+        """id of the parameter whose gradient completed the chunk in the last backward that hooked them all."""
+        self.watch_missed = False
+        """The watcher reported before the chunk's other gradients in this backward: hook them all again."""
 
     def reset_grad_tracking(self) -> None:
         """Start a new backward: no gradients have arrived yet."""

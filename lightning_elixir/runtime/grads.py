@@ -296,8 +296,7 @@ class Trainable:
         whose watcher reported early gets every hook back ([Note: one hook per chunk])."""
         for chunk in self.table.chunks:
             if chunk.watch_missed:
-                chunk.watch_missed = False
-                chunk.watcher = chunk.last_arrival = None
+                chunk.forget_watcher()
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
                     if pid not in self._hooks:
@@ -349,5 +348,4 @@ class Trainable:
             handle.remove()
         self._hooks.clear()
         for chunk in self.table.chunks:
-            chunk.watcher = chunk.last_arrival = None
-            chunk.watch_missed = False
+            chunk.forget_watcher()
