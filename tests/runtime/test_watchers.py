@@ -11,6 +11,9 @@ gradients and optimizer state of one process that trains on all the ranks' rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,13 +64,37 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2 * ROWS, WIDTH, generator=g), torch.randn(2 * ROWS, WIDTH, generator=g)
 
 
-def _reference_step(model: nn.Module, step: int, world_size: int, device: str) -> None:
-    """The loss every rank's rows give together, averaged over the ranks as the gradients are."""
-    for micro, modes in enumerate(STEPS[step]):
-        x, y = (t.to(device) for t in _batch(step, micro))
-        loss = sum(F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS], modes[r]), y[r * ROWS:(r + 1) * ROWS])
-                   for r in range(world_size)) / world_size
-        loss.backward()
+def _ranks_loss(forward: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                world_size: int) -> torch.Tensor:
+    """The loss every rank's rows give together (``forward(rank, rows)``), averaged over the ranks as the
+    gradients are."""
+    return sum(F.mse_loss(forward(r, x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
+               for r in range(world_size)) / world_size
+
+
+def _elixir_backward(runtime: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *args: Any) -> None:
+    """A forward of ``model`` on this rank's rows in a step region, and its backward."""
+    with runtime.step_region():
+        runtime.begin_iteration()
+        loss = F.mse_loss(model(x, *args), y)
+    loss.backward()
+
+
+def _train_both(runtime: Any, optimizer: Any, model: nn.Module, reference: nn.Module, ref_opt: Any,
+                x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> None:
+    """One step of the runtime on this rank's rows, and of the reference on every rank's."""
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    _elixir_backward(runtime, model, x[rows], y[rows])
+    optimizer_step(runtime, optimizer)
+    optimizer.zero_grad()
+    _ranks_loss(lambda r, h: reference(h), x, y, world_size).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+def _paired_weights(runtime: Any, model: nn.Module, reference: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    with runtime.gathered():
+        return [(p.detach().clone(), r.detach().clone()) for p, r in zip(model.parameters(), reference.parameters())]
 
 
 def _train(rank: int, world_size: int, device: str = "cpu") -> dict:
@@ -89,33 +116,30 @@ def _train(rank: int, world_size: int, device: str = "cpu") -> dict:
     for step, micro_batches in enumerate(STEPS):
         for micro, modes in enumerate(micro_batches):
             x, y = (t.to(device) for t in _batch(step, micro))
-            with runtime.step_region():
-                runtime.begin_iteration()
-                loss = F.mse_loss(model(x[rows], modes[rank]), y[rows])
-            loss.backward()
+            _elixir_backward(runtime, model, x[rows], y[rows], modes[rank])
         with runtime.gathered():  # what a callback before the optimizer step reads
             grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         optimizer_step(runtime, optimizer)
         optimizer.zero_grad()
         hooked.append(runtime.trainable.hooked)
-        _reference_step(reference, step, world_size, device)
+        for micro, modes in enumerate(micro_batches):
+            x, y = (t.to(device) for t in _batch(step, micro))
+            _ranks_loss(lambda r, h: reference(h, modes[r]), x, y, world_size).backward()
         grads[-1] = (grads[-1], [None if p.grad is None else p.grad.clone() for p in reference.parameters()])
         ref_opt.step()
         ref_opt.zero_grad()
-        with runtime.gathered():
-            weights.append(([p.detach().clone() for p in model.parameters()],
-                            [p.detach().clone() for p in reference.parameters()]))
+        weights.append(_paired_weights(runtime, model, reference))
     return {"hooked": hooked, "grads": grads, "weights": weights}
 
 
 def check(result: dict) -> None:
-    for step, ((got, want), (w_got, w_want)) in enumerate(zip(result["grads"], result["weights"])):
+    for step, ((got, want), weights) in enumerate(zip(result["grads"], result["weights"])):
         for g, r in zip(got, want):  # read before the step, a gradient no rank got reads as zero, not None
             if r is None:
                 assert g is None or not g.any(), f"step {step}: a gradient where none was computed"
             else:
                 torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} grads: {m}")
-        for p, r in zip(w_got, w_want):
+        for p, r in weights:
             torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} weights: {m}")
 
 
@@ -155,25 +179,12 @@ def _train_checkpointed(rank: int, world_size: int) -> dict:
     # three blocks per chunk: the last chunk's watcher is a block's, inside a nested backward
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=3 * 128, cache_blocks=CACHE_ALL), group=Group.default())
     optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    rows = slice(rank * ROWS, (rank + 1) * ROWS)
     steps = 4
     for step in range(steps):
         x, y = _batch(step, 0)
         x.requires_grad_()  # reentrant checkpointing needs an input that requires grad
-        with runtime.step_region():
-            runtime.begin_iteration()
-            loss = F.mse_loss(model(x[rows]), y[rows])
-        loss.backward()
-        optimizer_step(runtime, optimizer)
-        optimizer.zero_grad()
-        ref_loss = sum(F.mse_loss(reference(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
-                       for r in range(world_size)) / world_size
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    with runtime.gathered():
-        weights = [(p.detach().clone(), r.detach().clone()) for p, r in zip(model.parameters(), reference.parameters())]
-    return {"weights": weights, "retired": runtime.grads.reductions.retired, "steps": steps,
+        _train_both(runtime, optimizer, model, reference, ref_opt, x, y, rank, world_size)
+    return {"weights": _paired_weights(runtime, model, reference), "retired": runtime.grads.reductions.retired, "steps": steps,
             "chunks": len(runtime.chunks), "hooked": runtime.trainable.hooked}
 
 
@@ -209,29 +220,16 @@ def _train_toggled(rank: int, world_size: int) -> dict:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=256, cache_blocks=CACHE_ALL), group=Group.default())
     optimizer = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    rows = slice(rank * ROWS, (rank + 1) * ROWS)
     hooked, registered = [], []
     for step in range(6):
         for m in (model, reference):
             m.first.requires_grad_(step % 2 == 0)
             m.second.requires_grad_(step % 2 == 1)
         x, y = _batch(step, 0)
-        with runtime.step_region():
-            runtime.begin_iteration()
-            loss = F.mse_loss(model(x[rows]), y[rows])
-        loss.backward()
-        optimizer_step(runtime, optimizer)
-        optimizer.zero_grad()
+        _train_both(runtime, optimizer, model, reference, ref_opt, x, y, rank, world_size)
         hooked.append(runtime.trainable.hooked)
         registered.append(runtime.trainable.registered)
-        ref_loss = sum(F.mse_loss(reference(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS])
-                       for r in range(world_size)) / world_size
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    with runtime.gathered():
-        weights = [(p.detach().clone(), r.detach().clone()) for p, r in zip(model.parameters(), reference.parameters())]
-    return {"weights": weights, "hooked": hooked, "registered": registered, "chunks": len(runtime.chunks)}
+    return {"weights": _paired_weights(runtime, model, reference), "hooked": hooked, "registered": registered, "chunks": len(runtime.chunks)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
