@@ -66,7 +66,7 @@ class Chunk:
         self.index = index
         self.spec = spec
         self.clock = PhaseClock()
-        """Where this chunk's waits are timed; the runtime gives every chunk its own clock."""
+        """Where this chunk's waits are timed; the runtime sets its one clock on every chunk."""
         self.grad_buffers = GradBuffers()
         """Where full-size gradient buffers come from; the runtime's chunks share one."""
         self.slots = slots
