@@ -15,7 +15,8 @@ from lightning_elixir.plan import CACHE_ALL, ChunkSpec, ElixirPlan, min_plus_blo
 from lightning_elixir.runtime import layout
 from lightning_elixir.runtime.access import AccessGuard
 from lightning_elixir.runtime.cache import ChunkCache
-from lightning_elixir.runtime.chunk import Chunk, GradBuffers, Slot
+from lightning_elixir.runtime.buffers import GradBuffers
+from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.deferred import InitRecord
 from lightning_elixir.runtime.grads import GradientFlow
@@ -102,7 +103,7 @@ class ElixirRuntime:
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
         self.grad_buffers = GradBuffers()
-        """Full-size gradient buffers reused on the CPU ([Note: reused gradient buffers] in chunk.py)."""
+        """Full-size gradient buffers reused on the CPU ([Note: reused gradient buffers] in buffers.py)."""
         for chunk in chunks:
             chunk.clock = self.clock
             chunk.grad_buffers = self.grad_buffers
