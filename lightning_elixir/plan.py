@@ -55,11 +55,13 @@ def min_plus_blocks(spare: int, fewest: int, n_public: int) -> int:
     return min(fewest + spare, max(n_public, fewest))
 
 
-def stays_gathered(cache_blocks: int, n_public: int, offloads: bool) -> bool:
+def stays_gathered(cache_blocks: int, n_public: int, offloads: bool, world_size: int) -> bool:
     """Whether every chunk is gathered once per step and kept ([Note: resident plans] in runtime/protocol.py):
-    every public chunk has a block of its own (``cache_blocks`` resolved to an int) and no chunk's state
-    is offloaded (an offloaded chunk is gathered at its first use, after its update on the host)."""
-    return not offloads and cache_blocks >= n_public
+    no chunk's state is offloaded (an offloaded chunk is gathered at its first use, after its update on
+    the host), and every public chunk has a block of its own (``cache_blocks`` resolved to an int) or
+    there is one rank, whose shards are its chunks: releasing one would free nothing and gathering it
+    again would only copy it ([Note: a world of one] in runtime/chunk.py)."""
+    return not offloads and (cache_blocks >= n_public or world_size == 1)
 
 
 def _is_int(value: Any) -> bool:

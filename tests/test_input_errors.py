@@ -20,6 +20,7 @@ from lightning_elixir.runtime.cache import CacheTooSmallError
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit, parse_memory_limit
+from tests.plans import on_host
 from tests.search.profiles import hardware
 
 # ---- 1. configure_optimizers returning None ---------------------------------------------------
@@ -81,7 +82,7 @@ def test_too_small_cache_counts_the_chunks_acquired_together():
     # One module whose weight and bias land in two chunks: both are needed at once, neither is
     # pinned yet when the second is gathered.
     model = nn.Linear(64, 64)
-    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64 * 64, cache_blocks=1))
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=64 * 64, cache_blocks=1)))
     assert len(runtime.public) == 2
     with pytest.raises(CacheTooSmallError, match=r"cache_blocks=1 is too small: 2 chunks \[0, 1\] are needed at once; "
                                                  r"set cache_blocks to at least 2, or use cache_blocks='min' .*grown as "

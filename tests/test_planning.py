@@ -45,29 +45,53 @@ def gpt_profile():
     return GPT(CONFIG), profile_model(GPT(CONFIG), _batch(), step_fn=_step)
 
 
-@pytest.mark.parametrize("chunk_numel", [4097, 12000])
-@pytest.mark.parametrize("blocks,prefetch", [("all", 1), ("min", 0), ("min", 1), ("min+1", 1), ("min+2", 2),
-                                                  (0, 0), (1, 1), (1, 2), (3, 2)])
-def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, chunk_numel, blocks, prefetch):
-    """An int ``blocks`` is that many blocks beyond the fewest, given to the plan as an int count."""
-    base, profile = gpt_profile
-    layout = build_layout(profile, chunk_numel, world_size=1)
+GATHER_CASES = [(chunk_numel, blocks, prefetch) for chunk_numel in (4097, 12000)
+                for blocks, prefetch in (("all", 1), ("min", 0), ("min", 1), ("min+1", 1), ("min+2", 2),
+                                         (0, 0), (1, 1), (1, 2), (3, 2))]
+"""(chunk_numel, cache blocks, prefetch depth); an int is that many blocks beyond the fewest, given as a count."""
+
+
+def _gather_plan(profile, world_size: int, chunk_numel: int, blocks, prefetch: int) -> ElixirPlan:
+    layout = build_layout(profile, chunk_numel, world_size=world_size)
     if isinstance(blocks, int):
         blocks += min_cache_blocks(access_chunks(layout, profile))
-    plan = ElixirPlan(chunks=layout.chunks, world_size=1, cache_blocks=blocks, prefetch_depth=prefetch)
-    model = copy.deepcopy(base)
-    runtime = ElixirRuntime(model, plan)
-    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.01))
-    per_step = []
-    for _ in range(3):
-        before = runtime.cache.gathers + runtime.private_gathers
-        _step(model, _batch()).backward()
-        optimizer_step(runtime, opt)
-        opt.zero_grad()
-        per_step.append(runtime.cache.gathers + runtime.private_gathers - before)
-    simulated = simulate_gathers(plan, profile)
-    assert per_step[1] == per_step[2] == simulated.gathers
-    assert runtime.cache.capacity == simulated.cache_blocks
+    return ElixirPlan(chunks=layout.chunks, world_size=world_size, cache_blocks=blocks, prefetch_depth=prefetch)
+
+
+def _runtime_gathers(rank: int, world_size: int, base: torch.nn.Module, profile, cases: list) -> list:
+    """Per case: the gathers of each of three steps and the cache's blocks."""
+    out = []
+    for case in cases:
+        model = copy.deepcopy(base)
+        runtime = ElixirRuntime(model, _gather_plan(profile, world_size, *case))
+        opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.01))
+        per_step = []
+        for _ in range(3):
+            before = runtime.cache.gathers + runtime.private_gathers
+            _step(model, _batch()).backward()
+            optimizer_step(runtime, opt)
+            opt.zero_grad()
+            per_step.append(runtime.cache.gathers + runtime.private_gathers - before)
+        out.append((per_step, runtime.cache.capacity))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_simulated_gathers_equal_the_runtime_gathers(gpt_profile, world_size):
+    """At one rank every plan here keeps its chunks gathered in their shards (no gathers at all,
+    [Note: a world of one]); at two, each evicts and prefetches as its cache and depth say."""
+    base, profile = gpt_profile
+    if world_size == 1:
+        got = _runtime_gathers(0, 1, base, profile, GATHER_CASES)
+    else:
+        got = run_distributed(_runtime_gathers, 2, base, profile, GATHER_CASES)[0]
+    evicting = 0
+    for case, (per_step, capacity) in zip(GATHER_CASES, got):
+        simulated = simulate_gathers(_gather_plan(profile, world_size, *case), profile)
+        assert per_step[1] == per_step[2] == simulated.gathers, case
+        assert capacity == simulated.cache_blocks, case
+        evicting += simulated.cache_blocks < len(build_layout(profile, case[0], world_size).public)
+    assert evicting == 0 if world_size == 1 else evicting >= len(GATHER_CASES) - 4  # 12000: few chunks
 
 
 def test_a_budget_below_the_minimum_fails_before_training_with_the_minimum():

@@ -220,10 +220,10 @@ def test_mixed_precision_with_an_offloaded_chunk_counts_device_bytes_only(profil
 
 def test_the_timeline_stays_within_what_the_memory_breakdown_bounds(profiles):
     profile = _profile(profiles, "gpt")
-    options = SearchOptions(micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
-    layout = build_layout(profile, 4096, 1)
+    options = SearchOptions(world_size=2, micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
+    layout = build_layout(profile, 4096, 2)
     for blocks in ("all", ("min+", 1)):
-        plan = _plan(profile, 4096, blocks, 1)
+        plan = _plan(profile, 4096, blocks, 1, world_size=2)
         n_blocks = len(layout.public) if blocks == "all" else plan.cache_blocks
         bound = memory_breakdown(layout, profile, n_blocks, tuple(s.placement for s in layout.chunks), options)
         timeline = predict_timeline(profile, plan, options)
@@ -234,6 +234,16 @@ def test_the_timeline_stays_within_what_the_memory_breakdown_bounds(profiles):
         else:  # ...one block at a time otherwise: memory is allocated as it is filled
             assert timeline["params"][0] < held
         assert max(timeline["optimizer"]) + min(timeline["grads"]) <= bound.device_state_bytes
+
+
+def test_at_one_rank_a_plan_that_would_evict_keeps_its_shards_as_its_chunks(profiles):
+    # [Note: a world of one]: releasing a block would free nothing its shard does not hold.
+    profile = _profile(profiles, "gpt")
+    options = SearchOptions(micro_batches=2, optimizer_bytes_per_numel=ADAMW_BYTES)
+    evicting, resident = (predict_timeline(profile, _plan(profile, 4096, blocks, 1), options)
+                          for blocks in (("min+", 1), "all"))
+    assert evicting.to_dict() == resident.to_dict()
+    assert len(set(evicting["params"])) == 1
 
 
 def _timeline(**overrides) -> MemoryTimeline:

@@ -13,11 +13,13 @@ read outside the hooks yields NaN rather than freed memory, and an in-place writ
 
 [Note: a world of one]
 With one rank a chunk's shard is the whole chunk, so gathering it into a block of its own only
-copies it. Where the plan keeps every chunk gathered ([Note: resident plans] in protocol.py),
-``shard`` *is* ``full`` (``Chunk.aliased``): a gather binds the views, a release unbinds them and
-frees nothing, and the optimizer's update of a master that is the shard (fp32) writes the
-parameters the model computes with, as in a plain training loop. (A plan that evicts keeps the
-two apart, so that it holds what its cache size says at one rank as at many.)
+copies it, and releasing that block frees nothing the shard does not still hold. So with one rank
+every plan that keeps its state on the device keeps every chunk gathered ([Note: resident plans] in
+protocol.py, whatever its ``cache_blocks``: a ZeRO-3 plan on one GPU runs as ZeRO-2 does, in less
+memory than evicting would take), and ``shard`` *is* ``full`` (``Chunk.aliased``): a gather binds
+the views, a release unbinds them and frees nothing, and the optimizer's update of a master that is
+the shard (fp32) writes the parameters the model computes with, as in a plain training loop. A plan
+that offloads keeps the two apart: its shards live on the host.
 """
 
 from __future__ import annotations

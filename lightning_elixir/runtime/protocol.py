@@ -35,8 +35,8 @@ operator that touched a parameter. What a step costs the host now:
 - no ``record_function`` unless a profiler runs (hotpath.py).
 
 [Note: resident plans]
-A plan whose chunks all stay gathered (every public chunk has a block, nothing is offloaded, or
-one rank, where the shard is the chunk: [Note: a world of one]) needs no pins, no eviction and no
+A plan whose chunks all stay gathered (nothing is offloaded, and every public chunk has a block or
+there is one rank, whose shards are its chunks: [Note: a world of one]) needs no pins, no eviction and no
 backward hooks: each chunk is gathered once per step, at the start of the first iteration after
 the optimizer step (or right after it, into the blocks the views already point at), and kept. Its
 units' hooks only swap parameter classes. ``plan.stays_gathered`` decides, and the search's

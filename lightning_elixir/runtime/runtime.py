@@ -95,8 +95,11 @@ class ElixirRuntime:
         check_nvme_path_given(specs, nvme_path)  # before any work
         capacity = _cache_blocks(self.plan, specs, module)
         n_public = sum(not spec.private for spec in specs)
-        self.resident = stays_gathered(capacity, n_public, offloads=any(s.placement != "device" for s in specs))
+        self.resident = stays_gathered(capacity, n_public, offloads=any(s.placement != "device" for s in specs),
+                                      world_size=self.group.world_size)
         """Whether every chunk stays gathered ([Note: resident plans] in protocol.py)."""
+        if self.resident:
+            capacity = n_public  # also at one rank with fewer cache blocks: the shards are the chunks
         materialize_buffers(module, self.device, deferred)
         chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values,
                               aliased=self.resident and self.group.world_size == 1, deferred=deferred)

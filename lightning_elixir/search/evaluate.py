@@ -51,7 +51,7 @@ def evaluate_plan(
     blocks = resolve_cache_blocks(plan.cache_blocks, needs, len(layout.public))
     m = options.micro_batches
     placements = tuple(spec.placement for spec in layout.chunks)
-    resident = stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements))
+    resident = stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements), layout.world_size)
     sim = simulate(layout, needs, blocks, plan.prefetch_depth, m, dtype_bytes(model.compute_dtype), resident)
     times = chunk_times(layout, model, hardware, options)
     tl = timeline(layout, needs * m, sim, access_compute_s(model) * m, reduce_schedule(layout, model, m), times,

@@ -174,7 +174,8 @@ def fixed_device_bytes(layout: Layout, model: ModelProfile, blocks: int, options
 
 def is_aliased(layout: Layout, blocks: int, placements: tuple[str, ...]) -> bool:
     """Whether a layout with ``blocks`` cache blocks and ``placements`` runs with its shards as its blocks."""
-    return layout.world_size == 1 and stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements))
+    return layout.world_size == 1 and stays_gathered(blocks, len(layout.public), any(p != "device" for p in placements),
+                                                  layout.world_size)
 
 
 def memory_breakdown(

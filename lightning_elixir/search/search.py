@@ -194,6 +194,8 @@ def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwarePro
             for depth in options.prefetch_depths:
                 costed = []
                 for resident in (True, False):
+                    if resident and blocks < len(space.layout.public):
+                        continue  # one rank: the plan with a block per public chunk, costed there
                     rungs = [r for r in range(first, len(space.ladder)) if _resident(space, blocks, r) == resident]
                     if not rungs:
                         continue
@@ -212,7 +214,8 @@ def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwarePro
 
 def _resident(space: _Space, blocks: int, rung: int) -> bool:
     """Whether ``blocks`` with rung ``rung``'s placement keeps every chunk gathered."""
-    return stays_gathered(blocks, len(space.layout.public), space.ladder[rung].offloaded > 0)
+    return stays_gathered(blocks, len(space.layout.public), space.ladder[rung].offloaded > 0,
+                          space.layout.world_size)
 
 
 def _first_fitting_rung(space: _Space, blocks: int, fixed_bytes: dict[bool, int], budget_bytes: int,

@@ -237,8 +237,10 @@ def simulate(
     resident: bool = False,
 ) -> SimResult:
     """Simulate one step of ``micro_batches`` replays of ``needs`` (see ``access_chunks``); ``resident``:
-    the plan keeps every chunk gathered (``plan.stays_gathered``)."""
+    the plan keeps every chunk gathered (``plan.stays_gathered``: a block per public chunk, whatever
+    ``blocks`` says, as the runtime's cache holds)."""
     if resident:
+        blocks = len(layout.public)
         demand, prefetched = resident_replay(list(needs), len(layout.public), micro_batches,
                                              gathers=not aliased(layout, resident))
     else:
@@ -280,5 +282,6 @@ def simulate_gathers(
         raise ValueError(f"need micro_batches >= 1 and prefetch_depth >= 0, got {micro_batches}, {prefetch_depth}")
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(cache_blocks, needs, len(layout.public))
-    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks))
+    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks),
+                              layout.world_size)
     return simulate(layout, needs, blocks, prefetch_depth, micro_batches, dtype_bytes(model.compute_dtype), resident)

@@ -76,7 +76,8 @@ def predict_timeline(
     needs = access_chunks(layout, model)
     blocks = resolve_cache_blocks(blocks, needs, len(layout.public))
     m = options.micro_batches
-    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks))
+    resident = stays_gathered(blocks, len(layout.public), any(spec.placement != "device" for spec in layout.chunks),
+                              layout.world_size)
     alias = aliased(layout, resident)
     if resident:  # every public chunk gathered before the first access ([Note: resident plans])
         cached = (tuple(layout.public),) * (len(needs) * m)

@@ -23,6 +23,7 @@ from lightning_elixir.runtime.state_dict import (
 )
 from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.runtime.states import ChunkState, IllegalTransition, check_transition
+from tests.plans import on_host
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -75,7 +76,8 @@ def test_building_holds_one_chunks_block_at_a_time(monkeypatch):
     monkeypatch.setattr(Chunk, "__init__", counting_init)
     monkeypatch.setattr(Chunk, "fill", counting_fill)
     expected = _gpt().state_dict()
-    runtime = ElixirRuntime(_gpt(), ElixirPlan(chunk_numel=4096, cache_blocks="min"))
+    model = _gpt()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=4096, cache_blocks="min")))
     assert len(built) > 3 and most[0] == 1
     assert all(c.state is ChunkState.FREE and c.full.untyped_storage().nbytes() == 0 for c in built)
     got = full_state_dict(runtime)
@@ -126,7 +128,7 @@ def test_too_small_cache_says_how_many_blocks_are_needed():
             return self.inner.c(self.inner.b(self.inner.a(x))) * self.scale
 
     model = Outer()
-    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64 * 64 + 64, cache_blocks=1))
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=64 * 64 + 64, cache_blocks=1)))
     with pytest.raises(CacheTooSmallError, match=r"4 chunks \[0, 1, 2, 3\].*at least 4"):
         model(torch.randn(2, 64))
     assert runtime.cache.capacity == 1
