@@ -65,7 +65,7 @@ class Chunk:
                  state_device: Optional[torch.device] = None, pin_memory: bool = False, aliased: bool = False) -> None:
         """``state_device``: where the master and gradient shards live (default ``device``); an offloaded
         chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own.
-        ``aliased``: the shard is the gathered block (one rank, a chunk that stays gathered)."""
+        ``aliased``: the shard is the gathered block (one rank, a plan that keeps its chunks gathered)."""
         self.index = index
         self.spec = spec
         self.clock = PhaseClock()

@@ -179,7 +179,8 @@ def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwarePro
 
     A cache with a block per public chunk runs the rungs that offload nothing as a resident plan
     ([Note: resident plans] in runtime/protocol.py): simulated as one, and with one rank without
-    blocks or gradient buffers beyond the shards."""
+    blocks or gradient buffers beyond the shards. With one rank any cache runs those rungs so, so
+    they are costed once, with the full cache."""
     compute_bytes = dtype_bytes(model.compute_dtype)
     comm_overlap, host_hides = hardware.comm_overlap, hides_host_work(hardware)
     for space in spaces:
