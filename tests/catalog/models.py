@@ -1118,9 +1118,10 @@ model (Mamba)."""
 
 class HFModel(TokenLM):
     def __init__(self, kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False,
-                 compile_blocks: bool = False) -> None:
+                 compile_blocks: bool = False, lora: bool = False) -> None:
         super().__init__()
         self.kind, self.dropout, self.ckpt, self.compile_blocks = kind, dropout, ckpt, compile_blocks
+        self.lora = lora
         self.model: Optional[nn.Module] = None
         if not in_configure_model:
             self._build()
@@ -1169,6 +1170,14 @@ class HFModel(TokenLM):
         self.model = cls(config)
         if ckpt:
             self.model.gradient_checkpointing_enable()
+        if self.lora:  # PEFT's LoRA on the attention projections: the base model frozen, adapters trained
+            import peft
+
+            if ckpt:  # what PEFT asks for with checkpointing: the frozen embeddings' output requires grad
+                self.model.enable_input_require_grads()
+            targets = ["c_attn"] if kind == "gpt2" else ["q_proj", "v_proj"]
+            self.model = peft.get_peft_model(self.model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                         target_modules=targets))
         if self.compile_blocks:  # each decoder layer, as torchtitan compiles blocks ("aot_eager": no C++ build)
             for layer in self.model.model.layers:
                 layer.compile(backend="aot_eager")
@@ -1182,6 +1191,8 @@ class HFModel(TokenLM):
         return self.model(input_ids=x, labels=x).loss
 
     def configure_optimizers(self) -> Any:
+        if self.lora:  # the adapters only, as PEFT fine-tuning is run
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
         if self.kind in ("llama", "mixtral", "deepseek_v3", "gemma"):  # no biases anywhere: AdamW as users train it
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         # GPT-2/BERT attention has a key bias whose true gradient is exactly zero; Adam would turn its
@@ -1207,6 +1218,13 @@ def _check_ranks_differ_in_bn_stats(results: list[dict]) -> None:
 def _check_lrs_change(results: list[dict]) -> None:
     lrs = [tuple(map(tuple, step)) for step in results[0]["lrs"]]
     assert len(set(lrs)) > 1, f"the LR scheduler should change the learning rate, got {lrs}"
+
+
+def _check_only_adapters_train(results: list[dict]) -> None:
+    weights, init = results[0]["weights"], results[0]["init"]
+    changed = {k for k in init if not torch.equal(init[k], weights[k])}
+    adapters = {k for k in init if ".lora_A." in k or ".lora_B." in k}
+    assert adapters and changed == adapters, f"LoRA must train every adapter and nothing else: changed {sorted(changed)}"
 
 
 def _check_unused_steps(results: list[dict]) -> None:
@@ -1906,8 +1924,8 @@ class FunctionalCall(Classifier):
 
 
 def _hf(kind: str, dropout: bool = False, ckpt: bool = False, in_configure_model: bool = False,
-        compile_blocks: bool = False) -> Callable[[], L.LightningModule]:
-    return lambda: HFModel(kind, dropout, ckpt, in_configure_model, compile_blocks)
+        compile_blocks: bool = False, lora: bool = False) -> Callable[[], L.LightningModule]:
+    return lambda: HFModel(kind, dropout, ckpt, in_configure_model, compile_blocks, lora)
 
 
 def _ema_extras(cbs: list[Callback]) -> dict:
@@ -2073,6 +2091,11 @@ CASES: list[Case] = [
     Case("hf_llama_compiled_blocks_configure_model", _hf("llama", in_configure_model=True, compile_blocks=True),
          token_data, requires="transformers", tol=ADAM_NEAR_ZERO),
     # Switch Transformers: expert modules of their own, a router that converts itself inside forward
+    # PEFT's LoRA: the adapters only train (plain, under gradient checkpointing, built in configure_model)
+    *(Case(f"hf_{kind}_lora{suffix}", _hf(kind, lora=True, **flags), token_data, requires="peft", tol=ADAM_NEAR_ZERO,
+           ddp_check=None if flags.get("in_configure_model") else _check_only_adapters_train)  # no weights before
+      for kind, suffix, flags in (("gpt2", "", {}), ("llama", "", {}), ("llama", "_gradient_checkpointing", {"ckpt": True}),
+                                  ("llama", "_configure_model", {"in_configure_model": True}))),
     Case("hf_switch_moe", _hf("switch"), token_data, requires="transformers", ddp=dict(find_unused_parameters=True)),
     Case("sharpness_aware_minimization", SAM, cls_data),
     Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
