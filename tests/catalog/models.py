@@ -1200,6 +1200,37 @@ class HFModel(TokenLM):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+_HF_VISION: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "vit": lambda tr: (tr.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, num_labels=4), tr.ViTForImageClassification),
+    "convnext": lambda tr: (tr.ConvNextConfig(num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                              num_labels=4, drop_path_rate=0.0), tr.ConvNextForImageClassification),
+    "swin": lambda tr: (tr.SwinConfig(image_size=8, patch_size=2, num_channels=3, embed_dim=16, depths=[1, 1],
+                                      num_heads=[2, 2], window_size=2, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=4),
+                        tr.SwinForImageClassification),
+}
+"""Hugging Face vision models, tiny, on 8x8 images: patch embeddings with a class token (ViT), layer
+scales on depthwise convolutions (ConvNeXt), windows with relative position bias tables (Swin)."""
+
+
+class HFVision(Classifier):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers as tr
+
+        config, cls = _HF_VISION[kind](tr)
+        config._attn_implementation = "eager"
+        self.model = cls(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.05)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # DDP sanity checks a case adds (that the case exercises what it claims)
 
@@ -2096,6 +2127,8 @@ CASES: list[Case] = [
            ddp_check=None if flags.get("in_configure_model") else _check_only_adapters_train)  # no weights before
       for kind, suffix, flags in (("gpt2", "", {}), ("llama", "", {}), ("llama", "_gradient_checkpointing", {"ckpt": True}),
                                   ("llama", "_configure_model", {"in_configure_model": True}))),
+    *(Case(f"hf_{kind}", lambda kind=kind: HFVision(kind), image_data, requires="transformers", tol=ADAM_NEAR_ZERO)
+      for kind in _HF_VISION),
     Case("hf_switch_moe", _hf("switch"), token_data, requires="transformers", ddp=dict(find_unused_parameters=True)),
     Case("sharpness_aware_minimization", SAM, cls_data),
     Case("same_network_under_no_grad_and_grad", SelfTarget, cls_data),
