@@ -85,6 +85,8 @@ def describe_runtime(runtime: ElixirRuntime) -> str:
     from the chunks the runtime built (a preset's default chunk size included)."""
     chunks, public = runtime.chunks, runtime.public
     blocks = "all" if runtime.resident or runtime.cache.capacity >= len(public) else str(runtime.cache.capacity)
+    if runtime.resident and runtime.group.world_size == 1 and runtime.plan.cache_blocks != CACHE_ALL:
+        blocks += f" (asked {runtime.plan.cache_blocks}; one rank: each shard is its chunk)"
     cpu = sum(c.placement == "cpu" for c in chunks)
     nvme = sum(c.placement == "nvme" for c in chunks)
     recompute = f" recompute={len(runtime.plan.recompute)} blocks" if runtime.plan.recompute else ""

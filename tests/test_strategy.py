@@ -304,3 +304,15 @@ def test_an_unmaterialisable_meta_module_fails_with_its_own_error():
     # Not "Cannot copy out of meta tensor" from teardown moving the half-built module to the CPU.
     with pytest.raises(TypeError, match="_Table has meta buffers but no reset_parameters"):
         trainer.fit(_MetaOutsideTheStrategy(), torch.utils.data.DataLoader(data, batch_size=4))
+
+
+def test_a_plan_that_would_evict_at_one_rank_says_it_keeps_every_chunk():
+    """[Note: a world of one]: the running plan's description says why the asked cache was not used."""
+    from lightning_elixir.runtime.runtime import ElixirRuntime
+    from lightning_elixir.strategy import describe_runtime
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    runtime = ElixirRuntime(module, ElixirPlan(chunk_numel=4096, cache_blocks="min+1", prefetch_depth=1))
+    assert runtime.resident and len(runtime.public) > 2
+    assert "blocks=all (asked min+1; one rank: each shard is its chunk) prefetch=1" in describe_runtime(runtime)
