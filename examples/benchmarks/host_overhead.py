@@ -13,8 +13,8 @@ ratios matched those measured on an H200 for GPT-2 medium.
 
 Every system trains the same model from the same seed with AdamW on its own spawned gloo
 processes (one thread each), driving the runtime directly (no Trainer): "ddp" (torch's
-DistributedDataParallel), "elixir_zero2" and "elixir_zero3" (fixed plans; on a model this small the
-preset's chunk holds the whole model, so ZeRO-3 keeps it gathered), "elixir_zero3_block" (ZeRO-3
+DistributedDataParallel), "elixir_zero2" and "elixir_zero3" (fixed plans; this small model packs into two
+public chunks, for which the ZeRO-3 preset's cache ("min+1") has a block each, so it keeps them gathered), "elixir_zero3_block" (ZeRO-3
 with a chunk per block, gathered and released per use, as FSDP2 runs here; at world size 1, as every
 plan that keeps its state on the device, it keeps its chunks gathered), "elixir" (plan="auto",
 profiled and searched for the model) and "fsdp2" (``fully_shard`` per block and at the root). A
