@@ -2079,6 +2079,10 @@ CASES: list[Case] = [
            tol=DEEPSEEK_V3_ADAMW if kind == "deepseek_v3" else ADAM_NEAR_ZERO) for kind in _MORE_HF),
     # bf16-mixed
     Case("bf16_tiny_gpt", lambda: TinyGPT(optimizer="sgd"), token_data, trainer=dict(precision="bf16-mixed"), tol=BF16),
+    Case("bf16_hf_llama_lora", _hf("llama", lora=True), token_data, requires="peft", trainer=dict(precision="bf16-mixed"),
+         tol=BF16),
+    Case("bf16_hf_qwen3_moe", _hf("qwen3_moe"), token_data, requires="transformers", trainer=dict(precision="bf16-mixed"),
+         tol=BF16),
     # torch.compile ([Note: compiled models] in runtime/hotpath.py)
     Case("compiled_blocks_gpt", lambda: CompiledGPT("blocks"), token_data),
     Case("compiled_forward_gpt", lambda: CompiledGPT("forward"), token_data),
