@@ -17,7 +17,8 @@
 #            16 GB and the Llama workload at 20 GB, auto against the all-on-host plan and the peers with
 #            activation checkpointing by hand ("+ac": DDP, FSDP2) and FSDP2 with CPU offload;
 #   host     the host cost of the step protocol (not run by default; about 7 minutes): the 80 GB
-#            comparison of DDP, Elixir's ZeRO-2, ZeRO-3 and auto plans and FSDP2, then DDP and the auto
+#            comparison of DDP, Elixir's ZeRO-2, ZeRO-3 and auto plans and FSDP2 (on one GPU the ZeRO-3
+#            preset keeps every chunk gathered, as ZeRO-2 does: [Note: a world of one]), then DDP and the auto
 #            plan with every block compiled ("+compile"), then torch.profiler's table of the hooks of
 #            ZeRO-2 (3 steps).
 # Usage (CUDA; the project importable from the repository root):
