@@ -422,19 +422,24 @@ class Chunk:
         """Queue the device-to-host copy of a reduced shard behind its reduce-scatter.
 
         [Note: landing gradients on the host]
-        ``work.wait()`` on an NCCL work makes the current stream wait for the collective, not the
-        host. The copy stream then waits for the current stream and copies the shard into pinned
-        host memory without blocking: directly into the gradient shard when it is overwritten, or
-        into a staging buffer when it accumulates (added on the host when the reduction is retired).
-        The event recorded after the copy is what ``finish_reduce`` waits for; ``out`` stays
-        referenced until then, so the allocator cannot reuse it while the copy reads it.
+        The copy stream waits for the compute stream (what the gradients were computed by; with one
+        rank ``out`` is their buffer itself), then, inside it, ``work.wait()`` on an NCCL work makes
+        the *current* stream, the copy stream there, wait for the collective: neither the host nor
+        the compute stream waits, and the rest of backward runs beside the reduction. (Waited for on
+        the compute stream, every later backward kernel queued behind each offloaded chunk's
+        reduce-scatter.) The copy writes the shard into pinned host memory without blocking:
+        directly into the gradient shard when it is overwritten, or into a staging buffer when it
+        accumulates (added on the host when the reduction is retired). The event recorded after the
+        copy is what ``finish_reduce`` waits for; ``out`` and the full gradient buffer stay
+        referenced until then, so the allocator cannot reuse them while the collective or the copy
+        reads them.
         """
         self.settle()  # the previous update reads the gradient shard this copy overwrites
-        work.wait()
         stream.wait_stream(torch.cuda.current_stream(out.device))
         target = (torch.empty(out.shape, dtype=self.grad_shard.dtype, pin_memory=True) if accumulate
                   else self.grad_shard)
         with torch.cuda.stream(stream):
+            work.wait()
             target.copy_(out.to(target.dtype), non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # waited for without spinning on a core the worker needs
             event.record(stream)

@@ -210,6 +210,7 @@ def _flat_tensors(result: Any) -> list[torch.Tensor]:
 
 def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
+        torch.cuda.init()  # the generators exist once CUDA is initialized (a build before fit may come first)
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator
 
