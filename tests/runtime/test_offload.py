@@ -29,6 +29,7 @@ from lightning_elixir.runtime.state_dict import (full_optimizer_state_dict, full
                                                  load_full_optimizer_state_dict, load_full_state_dict)
 from tests.distributed import run_distributed
 from tests.optimizers import Lion
+from tests.plans import on_host
 from tests.runtime.workloads import NO_BIAS, Run, _dtypes, batches, loss_of
 
 CHUNK_NUMEL = 4097
@@ -242,10 +243,7 @@ def test_the_worker_leaves_a_core_to_the_thread_that_feeds_an_accelerator():
     assert worker_threads(torch.device("cpu"), 16) == 16  # there the compute wants every core
     main = torch.get_num_threads()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    plan = ElixirPlan(chunk_numel=80, cache_blocks="all")
-    plan = dataclasses.replace(plan, world_size=1, chunks=tuple(dataclasses.replace(s, placement="cpu")
-                                                                for s in resolve_specs(model, plan, 1)))
-    runtime = ElixirRuntime(model, plan)
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=80, cache_blocks="all")))
     try:
         assert runtime.offload._worker.submit(torch.get_num_threads).result() == main
         assert torch.get_num_threads() == main
@@ -259,10 +257,7 @@ def test_the_worker_takes_the_landed_update_needed_first():
     # first, and the worker, once free, takes them in the forward's order ([Note: updates started in backward]).
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
-    plan = ElixirPlan(chunk_numel=72, cache_blocks="all")
-    plan = dataclasses.replace(plan, world_size=1, chunks=tuple(dataclasses.replace(s, placement="cpu")
-                                                                for s in resolve_specs(model, plan, 1)))
-    runtime = ElixirRuntime(model, plan)
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=72, cache_blocks="all")))
     optimizer = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
     engine, order, gate = runtime.offload, [], threading.Event()
     update = engine._update
