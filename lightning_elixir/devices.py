@@ -14,6 +14,7 @@ device without one).
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,17 @@ def start_worker(device: torch.device, threads: int) -> None:
     """A worker thread's initializer: its intra-op threads and its current device."""
     torch.set_num_threads(threads)
     use_device(device)
+
+
+def release_pinned_cache(device: torch.device) -> None:
+    """Give the system back the pinned host memory no tensor uses any more (benchmarks' buffers, an old
+    plan's slabs): torch's pinned allocator keeps every block it ever handed out, for reuse by blocks
+    of the same rounded size, and offloaded state needs that memory."""
+    if device.type == "cuda":
+        gc.collect()  # tensors in reference cycles, so that their blocks are free to give back
+        empty = getattr(torch._C, "_host_emptyCache", None)  # not in every build
+        if empty is not None:
+            empty()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_elixir.averaging import install_averages, remove_averages
 from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
+from lightning_elixir.devices import release_pinned_cache
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
@@ -444,6 +445,7 @@ class ElixirStrategy(ParallelStrategy):
         self.runtime = switch_plan(self.runtime, plan, grads=grads, grow_cache=True)
         self.runtime.protocol.accumulating = accumulating
         self.precision_plugin.runtime = self.runtime
+        release_pinned_cache(self.root_device)  # the old plan's slabs ([Note: pinned memory in slabs])
         self._runtime_group = self.runtime.group if self._runtime_group is not None else None
         if self.planner is not None:
             self.planner.switched(plan, budget_bytes)

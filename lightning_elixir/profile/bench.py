@@ -42,7 +42,6 @@ time, so it reads ~0, and the search would never prefetch, though a prefetch mea
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import tempfile
@@ -266,16 +265,6 @@ def host_transfer_bytes_per_s(device: torch.device, sizes: BenchSizes) -> tuple[
     h2d = nbytes / time_s(lambda: dev.copy_(host, non_blocking=True), device, sizes.iters)
     d2h = nbytes / time_s(lambda: host.copy_(dev, non_blocking=True), device, sizes.iters)
     return h2d, d2h
-
-
-def release_pinned_cache(device: torch.device) -> None:
-    """Give back the pinned host memory the benchmarks used (over 1 GiB a rank): torch's pinned allocator
-    keeps every block it ever handed out, and the training run's offloaded state needs that memory."""
-    if device.type == "cuda":
-        gc.collect()  # the benchmarks' tensors, so that their blocks are free to give back
-        empty = getattr(torch._C, "_host_emptyCache", None)  # not in every build
-        if empty is not None:
-            empty()
 
 
 def collective_s(fn: Collective, out_bytes: int, in_bytes: int, device: torch.device, iters: int) -> float:

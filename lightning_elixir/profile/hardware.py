@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_elixir.devices import release_pinned_cache
 from lightning_elixir.profile import bench, optimizer_bench
 from lightning_elixir.profile.bench import BenchSizes, Collective
 from lightning_elixir.profile.types import HardwareProfile, ProfileError
@@ -170,7 +171,7 @@ def measure_hardware(device: torch.device, key: MachineKey, sizes: BenchSizes, a
     nvme_read, nvme_write = bench.nvme_bytes_per_s(nvme_path, sizes.nvme_bytes) if nvme_path else (0.0, 0.0)
     overlap = bench.comm_overlap(all_gather or bench.local_copy, reduce_scatter or bench.local_copy, key.world_size,
                                  device, dtype, sizes)
-    bench.release_pinned_cache(device)
+    release_pinned_cache(device)
     return HardwareProfile(
         device_name=key.device_name, device_count=key.device_count, world_size=key.world_size,
         torch_version=key.torch_version, device_memory_bytes=_device_memory_bytes(device),

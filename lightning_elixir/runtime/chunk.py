@@ -35,6 +35,7 @@ from lightning_elixir.plan import ChunkSpec
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.buffers import GradBuffers
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.hostmem import HostArena
 from lightning_elixir.runtime.phases import PhaseClock
 from lightning_elixir.runtime.states import ChunkState, check_transition
 
@@ -62,9 +63,11 @@ class Chunk:
 
     def __init__(self, index: int, spec: ChunkSpec, slots: list[Slot], group: Group, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 state_device: Optional[torch.device] = None, pin_memory: bool = False, aliased: bool = False) -> None:
+                 state_device: Optional[torch.device] = None, host: Optional[HostArena] = None,
+                 aliased: bool = False) -> None:
         """``state_device``: where the master and gradient shards live (default ``device``); an offloaded
-        chunk's are on the host (pinned with ``pin_memory``), and its master is always a copy of its own.
+        chunk's are on the host, and its master is always a copy of its own. ``host``: where the
+        offloaded tensors that stay in host memory come from (``host_requests``; pinned on a GPU).
         ``aliased``: the shard is the gathered block (one rank, a plan that keeps its chunks gathered)."""
         self.index = index
         self.spec = spec
@@ -100,12 +103,17 @@ class Chunk:
         state_device = device if state_device is None else state_device
         self.offloaded = spec.placement != "device"
         same = master_dtype == compute_dtype and not self.offloaded
-        # Pinned where it crosses the bus itself: a master of another dtype goes up through the uploads'
-        # staging buffer ([Note: uploads of updated shards] in upload.py), and pinned memory is dear
-        # (its allocator rounds every block up to a power of two, and keeps it).
-        pin_master = pin_memory and master_dtype == compute_dtype
-        self.master = self.shard if same else _zeros(self.shard_numel, master_dtype, state_device, pin_master)
-        self.grad_shard = _zeros(self.shard_numel, master_dtype, state_device, pin_memory)
+        kept = host_requests(spec, self.shard_numel, compute_dtype, master_dtype) if host is not None else {}
+
+        def zeros(name: str) -> torch.Tensor:  # from the arena what it holds, in its order
+            if name in kept:
+                return host.zeros(*kept[name])
+            return torch.zeros(self.shard_numel, dtype=master_dtype, device=state_device)
+
+        self.master = self.shard if same else zeros("master")
+        self.grad_shard = zeros("grad_shard")
+        self.host_arena = host if kept else None
+        """The arena this chunk's host tensors are cut from, if any (its slack is counted as host memory)."""
         self.pending_update: Optional[Future] = None
         """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
         self.forget_watcher()
@@ -515,9 +523,19 @@ class _Landed:
         self.event.synchronize()
 
 
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
-    """A zero tensor; on the host pinned when asked (page-locked memory makes device copies async)."""
-    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu")
+def host_requests(spec: ChunkSpec, shard_numel: int, compute_dtype: torch.dtype,
+                  master_dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
+    """(numel, dtype) by name of the tensors an offloaded chunk keeps in host memory for the whole run, in the
+    order it takes them from its ``HostArena`` ([Note: pinned memory in slabs] in hostmem.py): pinned on
+    a GPU, as what crosses the bus itself is. Its master, where it has the compute dtype and is not paged
+    out to NVMe (a master of another dtype goes up through the uploads' staging buffer, [Note: uploads
+    of updated shards] in upload.py), then its gradient shard."""
+    kept = {}
+    if spec.placement == "cpu" and master_dtype == compute_dtype:
+        kept["master"] = (shard_numel, master_dtype)
+    if spec.placement != "device":
+        kept["grad_shard"] = (shard_numel, master_dtype)
+    return kept
 
 
 def _holes(numel: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:

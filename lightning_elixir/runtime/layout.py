@@ -29,9 +29,10 @@ from lightning_elixir.plan import (
     slot_offsets,
 )
 from lightning_elixir.runtime import collectives
-from lightning_elixir.runtime.chunk import Chunk, Slot
+from lightning_elixir.runtime.chunk import Chunk, Slot, host_requests
 from lightning_elixir.runtime.deferred import InitRecord, recording_of
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.hostmem import HostArena
 from lightning_elixir.runtime.policy import PrecisionPolicy
 
 def param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
@@ -126,17 +127,20 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
     full_precision = set(full_precision)
     _replace_meta_params(module, device)
     params = dict(module.named_parameters())
+    fulls = [bool(full_precision.intersection(spec.params)) for spec in specs]
+    computes = [policy.master_dtype if full else policy.compute_dtype for full in fulls]
+    # What offloaded chunks keep in host memory, asked for at once ([Note: pinned memory in slabs]).
+    host = HostArena([request for spec, compute in zip(specs, computes) for request in host_requests(
+        spec, spec.numel // group.world_size, compute, policy.master_dtype).values()], pin=device.type == "cuda")
     chunks = []
-    for index, spec in enumerate(specs):
+    for index, (spec, full, compute) in enumerate(zip(specs, fulls, computes)):
         members = [params[name] for name in spec.params]
         offsets = slot_offsets([p.numel() for p in members])
         slots = [Slot(n, p, off, p.numel(), p.shape, p.dtype) for n, p, off in zip(spec.params, members, offsets)]
-        full = bool(full_precision.intersection(spec.params))
-        compute = policy.master_dtype if full else policy.compute_dtype
         reduce = torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype
         state_device = device if spec.placement == "device" else torch.device("cpu")
         chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
-                            state_device=state_device, pin_memory=device.type == "cuda", aliased=aliased))
+                            state_device=state_device, host=host, aliased=aliased))
     if values:
         _materialize(module, chunks, group, policy.master_dtype, deferred)
     else:

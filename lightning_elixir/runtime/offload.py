@@ -469,9 +469,12 @@ class OffloadEngine:
         return sum(per_element_nbytes(values, view.shape) for _, view, values in self._states(chunk))
 
     def host_bytes(self) -> int:
-        """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages."""
+        """Host memory of offloaded state: gradient shards, in-memory masters and state, NVMe pages, the
+        slack of the slabs they are cut from."""
         total = self.store.host_bytes if self.store is not None else 0
         total += self.uploads.host_bytes
+        arenas = {id(c.host_arena): c.host_arena for c in self.chunks if c.host_arena is not None}
+        total += sum(arena.slack_bytes for arena in arenas.values())  # [Note: pinned memory in slabs]
         for chunk in self.chunks:
             total += chunk.grad_shard.nbytes
             if chunk.index not in self.on_disk:
