@@ -252,7 +252,15 @@ def _size_text(nbytes: int) -> str:
 
 def _issue(work: Any, group: Group, what: str, tensor: torch.Tensor, async_op: bool,
            then: Optional[Callable[[], Any]] = None) -> Optional[Pending]:
-    """Wrap a backend work handle; wait for it at once unless ``async_op``."""
+    """Wrap a backend work handle; wait for it at once unless ``async_op``.
+
+    A backend that ran a synchronous collective in order on the current stream returns no handle (NCCL
+    since torch 2.7, for ``asyncOp=False``): there is nothing to wait for, as torch's own wrappers know.
+    """
+    if work is None:
+        if then is not None:
+            then()
+        return _Done() if async_op else None
     pending = Pending(work, group, what, on_host=tensor.device.type == "cpu", then=then)
     if async_op:
         return pending

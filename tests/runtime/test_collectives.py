@@ -81,3 +81,32 @@ def test_gather_to_first_by_collective_and_point_to_point_give_rank_0_every_shar
         results = run_distributed(_gather, WORLD_SIZE, collective)
         torch.testing.assert_close(results[0]["out"], expected, rtol=0, atol=0)
         assert all(r["out"] is None for r in results[1:])
+
+
+class _SyncOnStream:
+    """A process group that runs synchronous collectives in order on the current stream and returns no
+    work handle, as NCCL does since torch 2.7; here rank 0 of two, whose peer holds the same values."""
+
+    def allreduce(self, tensors, opts):
+        if opts.reduceOp == torch.distributed.ReduceOp.SUM:
+            tensors[0].mul_(2)
+        return None  # a maximum of equal values is each of them
+
+    def broadcast(self, tensors, opts):
+        return None  # rank 0 is the source: its tensor is the result
+
+
+def _gather_same(pg, out, shard, opts):
+    out.copy_(shard.repeat(2))
+    return None
+
+
+def test_a_synchronous_collective_that_returns_no_work_handle_is_done(monkeypatch):
+    group = Group(_SyncOnStream(), 0, 2)
+    monkeypatch.setattr(collectives, "_ALL_GATHER", _gather_same)
+    assert collectives.all_reduce_sum(torch.ones(3), group).tolist() == [2.0, 2.0, 2.0]
+    assert collectives.broadcast(torch.full((2,), 5.0), group).tolist() == [5.0, 5.0]
+    out = torch.zeros(4)
+    assert collectives.all_gather(out, torch.tensor([1.0, 2.0]), group) is None
+    assert out.tolist() == [1.0, 2.0, 1.0, 2.0]
+    assert collectives.Agreement.start(torch.tensor([1.0, 7.0]), group).values() == [1.0, 7.0]
