@@ -171,9 +171,14 @@ class ElixirMonitor(Callback):
         if runtime is None or trainer.global_step == self._last_global_step:
             return  # not the end of an optimizer step (accumulating), or no runtime
         self._last_global_step = trainer.global_step
+        measuring = runtime.clock.device_timing  # the self-correction's steps: the step as the device ran it
+        phases = runtime.clock.take()  # with device timing, waits for the step's timed spans
+        if measuring and runtime.device.type == "cuda":
+            # The host is ahead of the device by what it queued last (at least the optimizer's kernels). Not
+            # waited for here, that tail would count in neither this step nor the next, which starts after it.
+            torch.cuda.synchronize(runtime.device)
         step_s = time.perf_counter() - (self._step_started or time.perf_counter())
         self._step_started = None
-        phases = runtime.clock.take()
         if self._recorder is not None and self._recorder.done:
             self.measured, self._recorder = self._recorder.timeline, None
             self._log_measured(trainer)
