@@ -281,6 +281,8 @@ class ElixirRuntime:
         """The optimizer is about to update the masters: keep what code wrote to gathered values first."""
         self.access.flush_grads()
         for chunk in self.chunks:
+            if chunk.state is ChunkState.GATHERING:  # gathered after the last step, unused since: its all-gather
+                chunk.finish_gather()                # reads the shard the step writes (on a GPU, another stream)
             if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
                 with self.offload.resident(chunk, write=True):
                     chunk.write_back()

@@ -7,7 +7,9 @@ it made each chunk's update last until the device had drained the next forward, 
 very update. Instead the master is converted to the compute dtype on the host (on every core, into
 one pinned staging buffer: half the bytes of fp32 cross the bus), the copy runs on a stream of its
 own after a ``ready`` event recorded when the update was launched (every read of the shard queued
-before it, such as an all-gather in flight), and the worker waits for that copy only. Directions
+on the launching stream before it; no all-gather of the shard is then in flight on the collectives'
+stream: ``ElixirRuntime.before_step`` waits for any, and a gather waits for the chunk's update), and
+the worker waits for that copy only. Directions
 differ from the gradient copies, so both use the bus at once. The next gather reads the shard after
 ``Chunk.settle``, when the copy is complete.
 """
