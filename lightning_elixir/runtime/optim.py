@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
+from lightning_elixir.runtime.state_dict import load_full_optimizer_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,27 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
         raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), or, if each element's "
                         "update reads only that element and scalars (as Lion's does), declare the class with "
                         "@lightning_elixir.elementwise_optimizer")
+    initial = None
     if any(optimizer.state.values()):
-        raise ValueError("the optimizer already has state; create it in configure_optimizers (before any step) "
-                         "and load optimizer state through the strategy's checkpoint loading")
+        if any(_stepped(state) for state in optimizer.state.values()):
+            raise ValueError("the optimizer already has state; create it in configure_optimizers (before any step) "
+                             "and load optimizer state through the strategy's checkpoint loading")
+        initial = optimizer.state_dict()  # made by the constructor (Adagrad's sums), full-size
+        optimizer.state.clear()
     for group in optimizer.param_groups:
         group["params"] = [runtime.view_param(p) for p in group["params"]]
     _shard_added_groups(runtime, optimizer)
     runtime.optimizers.append(optimizer)
     runtime.offload.attach(optimizer, runtime.view_index())
+    if initial is not None:  # each view gets its slice, as a full state dict is loaded on resume
+        load_full_optimizer_state_dict(runtime, optimizer, initial)
     return optimizer
+
+
+def _stepped(state: dict) -> bool:
+    """Whether a parameter's optimizer state has seen a step (else its constructor made it)."""
+    step = state.get("step", 0)
+    return bool(step.item() if isinstance(step, torch.Tensor) else step)
 
 
 def _shard_added_groups(runtime, optimizer: Optimizer) -> None:

@@ -39,8 +39,11 @@ _METADATA = frozenset({
     "is_contiguous", "storage_offset", "__hash__", "register_hook", "register_post_accumulate_grad_hook",
     "requires_grad_", "_is_view", "get_device", "__len__", "ndimension", "is_signed", "has_names",
     "_is_zerotensor", "is_inference", "untyped_storage", "data_ptr", "__setstate__",
+    # new tensors shaped like it (an optimizer's constructor making state, as Adagrad's does)
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "new_zeros",
+    "new_ones", "new_empty", "new_full",
 })
-"""Names of tensor attributes and methods that do not read values (getter and setter alike)."""
+"""Names of tensor attributes, methods and functions that do not read values (getter and setter alike)."""
 
 _READ, _META, _GRAD = 0, 1, 2
 

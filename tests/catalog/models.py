@@ -973,6 +973,9 @@ class WithOptimizer(Classifier):
         elif self.kind == "adamw":
             opt = torch.optim.AdamW(by_dim, lr=1e-2, betas=(0.9, 0.95))
             sched = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4), "interval": "step"}
+        elif self.kind == "adagrad":  # its constructor makes per-element state (the sums) from the parameters
+            opt = torch.optim.Adagrad(by_dim, lr=5e-2, initial_accumulator_value=0.1, lr_decay=0.01)
+            sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "interval": "step"}
         else:
             opt = torch.optim.RMSprop(by_module, lr=1e-2, momentum=0.5, alpha=0.9)
             sched = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
@@ -2056,6 +2059,7 @@ CASES: list[Case] = [
          trainer=dict(max_epochs=2), ddp_check=_check_lrs_change),
     Case("adamw_decay_groups_cosine", lambda: WithOptimizer("adamw"), cls_data, ddp_check=_check_lrs_change),
     Case("rmsprop_groups_lambdalr", lambda: WithOptimizer("rmsprop"), cls_data, ddp_check=_check_lrs_change),
+    Case("adagrad_state_from_its_constructor", lambda: WithOptimizer("adagrad"), cls_data, ddp_check=_check_lrs_change),
     Case("configure_optimizers_returns_none", NoOptimizer, cls_data, trains=False),
     Case("meta_init_configure_model", MetaInit, cls_data),
     # callbacks
