@@ -59,6 +59,7 @@ from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
+from lightning_elixir.toggling import install_toggling, remove_toggling
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -403,6 +404,7 @@ class ElixirStrategy(ParallelStrategy):
             self.precision_plugin.runtime = self.runtime
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            install_toggling(self.lightning_module)  # [Note: toggling optimizers]
             self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
         self.setup_precision_plugin()
 
@@ -833,6 +835,7 @@ class ElixirStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         remove_averages(self._averaging)
         self._averaging = []
+        remove_toggling(self.lightning_module)
         if self.runtime is not None and not self._failed:
             self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
         if self.runtime is not None and self._failed:

@@ -39,7 +39,7 @@ class Reductions:
         self.views = views
         self.valid = {c.index: False for c in chunks}
         """Whether a chunk's gradient shard holds the reduced gradient of this step's backwards."""
-        self._grad_targets: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        self._grad_targets: dict[int, list[tuple[nn.Parameter, torch.Tensor, int]]] = {}
         """Per chunk, its optimizer views with their slices of the gradient shard (made once)."""
         self.seen: set[int] = set()
         """ids of the parameters that got a gradient on this rank since their shard was last overwritten
@@ -84,6 +84,8 @@ class Reductions:
         chunk = self.order[self._next_start]
         stream = self.offload.copy_stream if chunk.offloaded else None
         accumulate = self._accumulating[chunk.index] = self._accumulates(chunk)
+        if accumulate:
+            self._clear_zeroed(chunk)
         chunk.start_reduce(stream, accumulate=accumulate)
         self._next_start += 1
         while self._next_start - self._next_retire > REDUCE_BUFFERS:
@@ -98,8 +100,8 @@ class Reductions:
             self.seen -= chunk.param_ids
         self.seen.update(chunk.got_grads)
         self.valid[chunk.index] = True
-        for view, grad in self._targets(chunk):
-            if view.requires_grad:  # read now: Lightning's toggle_optimizer sets it on the views mid-step
+        for view, grad, _ in self._targets(chunk):
+            if view.requires_grad:  # read now: the flags follow the parameters' ([Note: trainable parameters can change])
                 view.grad = grad
         if chunk.offloaded:
             self.offload.landed(chunk, complete=not (chunk.pending_grads or chunk.absent_grads))
@@ -111,7 +113,7 @@ class Reductions:
         """``chunk``'s gradient shard was filled outside a backward (gradients carried into a new plan):
         the optimizer's views see it, and the next backward adds to it."""
         self.valid[chunk.index] = True
-        for view, grad in self._targets(chunk):
+        for view, grad, _ in self._targets(chunk):
             if view.requires_grad:
                 view.grad = grad
 
@@ -119,16 +121,35 @@ class Reductions:
         """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
         if not self.valid[chunk.index]:
             return False
-        views = [view for view, _ in self._targets(chunk) if view.requires_grad]
+        views = [view for view, _, _ in self._targets(chunk) if view.requires_grad]
         return not views or any(view.grad is not None for view in views)
+
+    def _clear_zeroed(self, chunk: Chunk) -> None:
+        """Zero the slices of the views whose gradient was set to None while others of the chunk kept theirs.
+
+        [Note: zeroed by one optimizer]
+        The shard adds when any of its views still holds a gradient: two optimizers over the parameters of
+        one chunk (a GAN, manual optimization), each calling ``zero_grad()`` after its own step, leave some
+        views with a gradient and some without. A view without one starts from zero, as its parameter's
+        ``.grad`` would after ``zero_grad(set_to_none=True)``: its slice is cleared before the sum is added
+        (after the chunk's offloaded update, which may still read the shard)."""
+        zeroed = [(grad, pid) for view, grad, pid in self._targets(chunk) if view.requires_grad and view.grad is None]
+        if not zeroed:
+            return
+        chunk.settle()
+        for grad, pid in zeroed:
+            grad.zero_()
+            self.seen.discard(pid)
 
     def views_changed(self) -> None:
         """Optimizer views were made: find each chunk's again when next needed."""
         self._grad_targets.clear()
 
-    def _targets(self, chunk: Chunk) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def _targets(self, chunk: Chunk) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+        """(view, its slice of the gradient shard, id of its parameter) for each of ``chunk``'s views."""
         targets = self._grad_targets.get(chunk.index)
         if targets is None:
             targets = self._grad_targets[chunk.index] = [
-                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))]) for slot, view in self.views(chunk)]
+                (view, chunk.grad_shard[slice(*chunk.shard_range(slot))], id(slot.param))
+                for slot, view in self.views(chunk)]
         return targets

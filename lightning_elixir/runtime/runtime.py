@@ -216,6 +216,12 @@ class ElixirRuntime:
         """For each optimizer shard view (by id), the chunk and slot of its parameter."""
         return self.table.view_index()
 
+    def follow_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes now, not at the next iteration (between backwards of a step:
+        Lightning's toggle_optimizer, [Note: toggling optimizers] in toggling.py)."""
+        self.protocol.finish_unreported()
+        self.protocol.trainable.refresh()
+
     def trainable_params(self) -> list[nn.Parameter]:
         return [p for p in self.table.parameters() if p.requires_grad]
 

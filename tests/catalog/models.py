@@ -880,10 +880,14 @@ class ManualOptimization(ManualMLP):
 
 
 class GAN(L.LightningModule):
-    """Two optimizers, manual optimization with toggle_optimizer; noise drawn from the global RNG."""
+    """Two optimizers, manual optimization with toggle_optimizer; noise drawn from the global RNG.
+    ``zero_after_step``: each optimizer zeroes its gradients after its step rather than before its
+    backward, so the discriminator's gradients are right only where the generator's loss computed none
+    for it (toggle_optimizer froze it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, zero_after_step: bool = False) -> None:
         super().__init__()
+        self.zero_after_step = zero_after_step
         self.automatic_optimization = False
         self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
         self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
@@ -901,24 +905,53 @@ class GAN(L.LightningModule):
         fake = self.generator(z).detach()
         d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
                   + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)) / 2
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        opt_d.step()
+        self._step(opt_d, d_loss)
         self.untoggle_optimizer(opt_d)
 
         self.toggle_optimizer(opt_g)
+        if self.zero_after_step:  # what the module's own flags say (logged, so compared with DDP's)
+            self.log("discriminator_trains_in_g_step", float(any(p.requires_grad for p in self.discriminator.parameters())))
         g_loss = F.binary_cross_entropy_with_logits(self.discriminator(self.generator(z)), ones)
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        opt_g.step()
+        self._step(opt_g, g_loss)
         self.untoggle_optimizer(opt_g)
 
         self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
         return {"loss": (d_loss + g_loss).detach()}
 
+    def _step(self, opt: Any, loss: torch.Tensor) -> None:
+        if not self.zero_after_step:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        if self.zero_after_step:
+            opt.zero_grad()
+
     def configure_optimizers(self) -> Any:
         return (torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
                 torch.optim.Adam(self.discriminator.parameters(), lr=1e-2, betas=(0.5, 0.999)))
+
+
+class ZeroedByEach(ManualMLP):
+    """Two optimizers over one chunk's parameters, no toggling, each zeroing its gradients (to None) after
+    its own step: the second loss reaches the head only, so the body's gradients must start from zero."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt_body, opt_head = self.optimizers()
+        x, y = batch
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        opt_body.step()
+        opt_body.zero_grad()
+        head_loss = F.cross_entropy(self.net[-1](torch.relu(self.net[0](x)).detach()), y)
+        self.manual_backward(head_loss)
+        opt_head.step()
+        opt_head.zero_grad()
+        self.log("train_loss", loss)
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.net[0].parameters(), lr=0.1, momentum=0.9),
+                torch.optim.SGD(self.net[-1].parameters(), lr=0.1, momentum=0.9))
 
 
 class GradNormLogging(Classifier):
@@ -2044,6 +2077,9 @@ CASES: list[Case] = [
     # optimization
     Case("manual_optimization", ManualOptimization, cls_data, ddp_check=_check_lrs_change),
     Case("manual_gan_two_optimizers", GAN, cls_data, ddp=dict(find_unused_parameters=True)),
+    Case("manual_gan_toggled_zeroed_after_each_step", lambda: GAN(zero_after_step=True), cls_data,
+         ddp=dict(find_unused_parameters=True)),
+    Case("two_optimizers_each_zeroing_after_its_step", ZeroedByEach, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
     # the gradient norm of these steps is 0.46-0.79 and max |grad| 0.14-0.43 (checked once): both always clip
