@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -119,11 +120,11 @@ class ElixirPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.runtime, float(clip_val))
+        clip_grad_norm_(self.runtime, float(clip_val), optimizer=_unwrapped(optimizer))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_value_(self.runtime, float(clip_val))
+        clip_grad_value_(self.runtime, float(clip_val), optimizer=_unwrapped(optimizer))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -144,3 +145,8 @@ def from_lightning_plugin(plugin: Optional[Precision]) -> ElixirPrecision:
         raise ValueError(f"Trainer(precision={flag!r}) is not supported by the Elixir strategy; "
                          f"use one of {sorted(PRECISION_FLAGS)}")
     return ElixirPrecision(flag)
+
+
+def _unwrapped(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind what ``self.optimizers()`` returns."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -310,6 +310,11 @@ class Trainable:
                         self._hooks.pop(pid).remove()
 
     @property
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters, as of the last ``refresh``."""
+        return self._trainable
+
+    @property
     def hooked(self) -> int:
         """How many parameters have a hook now."""
         return len(self._hooks)

@@ -143,9 +143,10 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
-def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the global gradient norm over all shards of all ranks; return the norm before clipping."""
-    shards = runtime.grad_shards()
+def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> torch.Tensor:
+    """Clip the global gradient norm over all ranks' shards of ``optimizer``'s parameters (all parameters
+    without one); return the norm before clipping."""
+    shards = clipped_grads(runtime, optimizer)
     total = _global_norm(runtime, shards, float(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     coefs = {coef.device: coef}  # offloaded shards are on the host: the coefficient goes there once
@@ -175,10 +176,26 @@ def _global_norm(runtime, shards: list[torch.Tensor], norm_type: float) -> torch
     return collectives.all_reduce_sum(local, runtime.group)[0].pow(1.0 / norm_type)
 
 
-def clip_grad_value_(runtime, clip_value: float) -> None:
-    """Clamp every gradient element to [-clip_value, clip_value] (element-wise, so local is global)."""
-    for g in runtime.grad_shards():
+def clip_grad_value_(runtime, clip_value: float, optimizer: Optional[Optimizer] = None) -> None:
+    """Clamp every gradient element of ``optimizer``'s parameters (all parameters without one) to
+    [-clip_value, clip_value] (element-wise, so local is global)."""
+    for g in clipped_grads(runtime, optimizer):
         g.clamp_(-clip_value, clip_value)
+
+
+def clipped_grads(runtime, optimizer: Optional[Optimizer]) -> list[torch.Tensor]:
+    """The gradients that clipping for ``optimizer`` acts on: those of its parameters, as torch's clipping
+    of ``optimizer``'s parameters does (two optimizers, or one over some of the trainable parameters, clip
+    apart). Whole gradient shards, fewer and larger tensors, where it holds every trainable parameter
+    (their other elements are padding and frozen parameters' gaps, all zero)."""
+    shards = runtime.grad_shards()
+    if optimizer is None:
+        return shards
+    views = [view for group in optimizer.param_groups for view in group["params"]]
+    mine, view_of = {id(view) for view in views}, runtime.table.views
+    if all(id(view_of.get(id(p))) in mine for p in runtime.protocol.trainable.params):
+        return shards
+    return [view.grad for view in views if view.grad is not None]
 
 
 def grads_finite(runtime) -> bool:
@@ -236,9 +253,9 @@ def optimizer_step(runtime, optimizer: Optimizer, clip_norm: float | None = None
         runtime.after_step(stepped=False)
         return False
     if clip_norm is not None:
-        clip_grad_norm_(runtime, clip_norm)
+        clip_grad_norm_(runtime, clip_norm, optimizer=optimizer)
     if clip_value is not None:
-        clip_grad_value_(runtime, clip_value)
+        clip_grad_value_(runtime, clip_value, optimizer=optimizer)
     with runtime.stepping(optimizer):
         optimizer.step()
     return True

@@ -980,6 +980,45 @@ class ManualClip(Classifier):
         self.log("total_norm_before_clip", total)
 
 
+class HeadOnlyOptimizer(Classifier):
+    """The optimizer holds the head only; the body trains too (its gradients exist) but is never stepped.
+    Clipping by norm, as the Trainer does it for this optimizer, sees the head's gradients only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = 20 * self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net[-1].parameters(), lr=0.1, momentum=0.9)
+
+
+class ClipEach(ManualMLP):
+    """Manual optimization, two optimizers, one backward reaching both; each clipped (by norm, then by value)
+    over its own parameters before its step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt_body, opt_head = self.optimizers()
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        loss = 20 * self.loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt_head, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+        opt_head.step()
+        self.clip_gradients(opt_body, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        self.clip_gradients(opt_body, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+        opt_body.step()
+        self.log("train_loss", loss)
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[-1].parameters(), lr=0.1))
+
+
 class WithOptimizer(Classifier):
     """Param groups and an LR scheduler, one optimizer family per case."""
 
@@ -2082,6 +2121,8 @@ CASES: list[Case] = [
     Case("two_optimizers_each_zeroing_after_its_step", ZeroedByEach, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
+    Case("clip_norm_of_a_head_only_optimizer", HeadOnlyOptimizer, cls_data, trainer=dict(gradient_clip_val=0.05)),
+    Case("manual_clip_each_optimizer_apart", ClipEach, cls_data),
     # the gradient norm of these steps is 0.46-0.79 and max |grad| 0.14-0.43 (checked once): both always clip
     Case("trainer_gradient_clip_norm", SequentialMLP, cls_data, trainer=dict(gradient_clip_val=0.05)),
     Case("trainer_gradient_clip_value", SequentialMLP, cls_data,
