@@ -720,8 +720,8 @@ class ElixirStrategy(ParallelStrategy):
 
         Enter it on every rank. Inside, reading a parameter gathers its chunk on demand (so every
         rank must read the same ones), except for ``params``, whose chunks (and gradients, with
-        ``grads=True``) are gathered on entry and may then be read on some ranks only. In-place
-        changes to parameters or gradients are kept when the block ends. Gathered values live
+        ``grads=True``) are gathered on entry and may then be read on some ranks only. Changes to
+        parameters or gradients, in place or by assigning ``.data`` or ``.grad``, are kept when the block ends. Gathered values live
         until then: copy what must outlive it. Example (an EMA callback)::
 
             with trainer.strategy.gathered_params():

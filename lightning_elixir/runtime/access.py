@@ -146,6 +146,62 @@ class AccessGuard:
             full = self.full_grads[chunk.index] = chunk.gather_full(chunk.grad_shard)
         return full[slot.offset:slot.end].view(slot.shape)
 
+    def on_grad_write(self, param: nn.Parameter, value: Optional[torch.Tensor]) -> bool:
+        """``param.grad = value`` outside autograd: the gradient shards take it (True), so that the optimizer
+        steps with it, as it would with a plain parameter's; in a backward the attribute is autograd's (False).
+
+        None (or ``del param.grad``): the parameter has no gradient this step; its view's gradient goes and
+        its part of the shard reads as zero (``GradientFlow.forget_grad``), as ``zero_grad()`` leaves it.
+        A tensor: written into the gathered gradient, kept in the shard when the region ends, as an in-place
+        change is; it needs the gathered region (the hooks before the optimizer step, ``gathered()``).
+        """
+        if in_backward():
+            return False
+        chunk, slot = self.table.where(param)
+        if value is None:
+            self.grads.forget_grad(param)
+            full = self.full_grads.get(chunk.index)
+            if full is not None:  # written back when the region ends: as zero, not the old values
+                full[slot.offset:slot.end].zero_()
+            return True
+        if tuple(value.shape) != tuple(slot.shape):
+            raise RuntimeError(f"assigned grad has data of a different size: {tuple(value.shape)} for parameter "
+                               f"{slot.name!r} of shape {tuple(slot.shape)}")
+        if not self.in_region():
+            raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
+                                   f"(reduce-scattered into shards); assign it {_HOW.removeprefix('read it ')}")
+        if not self.grads.valid(chunk):
+            raise RuntimeError(f"assigning .grad of {slot.name!r} before any backward has given its chunk gradients "
+                               "is not supported by the Elixir strategy: assign it after a backward, or change the "
+                               "gradient in place")
+        with torch._C.DisableTorchFunctionSubclass():
+            raw = param.grad
+        if raw is not None:  # a backward no hook reported: its gradients go into the shards first
+            self.grads.finish_unreported()
+        full = self.full_grads.get(chunk.index)
+        if full is None:
+            full = self.full_grads[chunk.index] = chunk.gather_full(chunk.grad_shard)
+        full[slot.offset:slot.end].copy_(value.detach().reshape(-1))
+        self.grads.restore_grad(param)
+        return True
+
+    def on_data_write(self, param: nn.Parameter, value: torch.Tensor) -> bool:
+        """``param.data = value`` outside the forward of its owner: copied into the parameter's values in the
+        chunk (gathered on demand, kept when the region ends, as an in-place write is), since rebinding
+        ``.data`` would cut the parameter off from the chunk that trains it. Needs what a read needs."""
+        if in_backward() or not isinstance(value, torch.Tensor):
+            return False
+        chunk, slot = self.table.where(param)
+        if tuple(value.shape) != tuple(slot.shape) or value.is_complex() != param.is_complex():
+            raise RuntimeError(f"{slot.name!r}.data = a tensor of shape {tuple(value.shape)} and dtype {value.dtype}: "
+                               "under the Elixir strategy a parameter's values live in a chunk of fixed layout, so "
+                               f"its data can only be given new values of its shape {tuple(slot.shape)} (copied in)")
+        self.on_param_read(param)  # gathered and held, or an error that says where it can be written
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+            param.data.copy_(value)
+        chunk.exposed = True  # written back to the master (a private chunk's read does not mark it)
+        return True
+
     def _hold(self, chunk: Chunk, name: str) -> None:
         """Gather ``chunk`` if needed and keep it until the region or step lets go."""
         if chunk.private:

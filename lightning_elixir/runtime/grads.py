@@ -160,6 +160,14 @@ class GradientFlow:
         if view is not None:
             view.grad = None
 
+    def restore_grad(self, param: nn.Parameter) -> None:
+        """``param`` has a gradient again (assigned after ``forget_grad``): its view sees its slice of the shard."""
+        view = self.table.views.get(id(param))
+        if view is not None and view.grad is None and view.requires_grad:
+            chunk, slot = self.table.where(param)
+            view.grad = chunk.grad_shard[slice(*chunk.shard_range(slot))]
+        self.reductions.seen.add(id(param))
+
     def rebuild(self) -> None:
         """The table's chunks changed (the module was detached from them)."""
         self.reductions = Reductions(self.table.chunks, self.offload, self.table.chunk_views)

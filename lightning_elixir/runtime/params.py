@@ -45,19 +45,22 @@ _METADATA = frozenset({
 })
 """Names of tensor attributes, methods and functions that do not read values (getter and setter alike)."""
 
-_READ, _META, _GRAD = 0, 1, 2
+_READ, _META, _GRAD, _SET_GRAD, _SET_DATA = 0, 1, 2, 3, 4
 
 
 @functools.cache
 def _kind(func: Any) -> int:
-    """Whether ``func`` reads values, only metadata, or the ``.grad`` attribute (memoised per function)."""
+    """Whether ``func`` reads values, only metadata, or reads or sets the ``.grad`` attribute (memoised
+    per function)."""
     owner = getattr(func, "__self__", None)
     is_accessor = getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
     name = getattr(owner, "__name__", "") if is_accessor else getattr(func, "__name__", "")
     setter = is_accessor and func.__name__ != "__get__"
-    if name == "grad" and is_accessor and not setter:  # the attribute, not torch.autograd.grad
-        return _GRAD
-    if name in _METADATA or (setter and name in ("data", "grad")):
+    if name == "grad" and is_accessor:  # the attribute, not torch.autograd.grad
+        return _SET_GRAD if setter else _GRAD
+    if setter and name == "data":
+        return _SET_DATA
+    if name in _METADATA:
         return _META
     return _READ
 
@@ -67,6 +70,8 @@ class ChunkedParameter(nn.Parameter):
 
     _elixir_read: Callable[["ChunkedParameter"], None]
     _elixir_grad: Callable[["ChunkedParameter"], Any]
+    _elixir_set_grad: Callable[["ChunkedParameter", Any], bool]
+    _elixir_set_data: Callable[["ChunkedParameter", Any], bool]
 
     @classmethod
     @eager  # [Note: compiled models] in hotpath.py
@@ -75,6 +80,10 @@ class ChunkedParameter(nn.Parameter):
         kind = _kind(func)
         if kind == _GRAD:
             return args[0]._elixir_grad(args[0])
+        if kind == _SET_GRAD and args[0]._elixir_set_grad(args[0], args[1] if len(args) > 1 else None):
+            return None  # the shards took it
+        if kind == _SET_DATA and len(args) > 1 and args[0]._elixir_set_data(args[0], args[1]):
+            return None  # copied into the chunk
         if kind == _READ:
             detached_copy = _announce_reads(args, kwargs) and func is torch.Tensor.detach
         else:
@@ -114,11 +123,18 @@ def _announce_reads(args: tuple, kwargs: dict) -> bool:
     return outside
 
 
-def chunk_parameter(param: nn.Parameter, on_read: Callable, on_grad: Callable) -> None:
-    """Turn ``param`` (in place: same object) into a ChunkedParameter reporting to the runtime."""
+def chunk_parameter(param: nn.Parameter, on_read: Callable, on_grad: Callable, on_set_grad: Callable,
+                    on_set_data: Callable) -> None:
+    """Turn ``param`` (in place: same object) into a ChunkedParameter reporting to the runtime.
+
+    ``on_set_grad(param, value)``: ``param.grad = value`` (``del param.grad``: None); ``on_set_data(param,
+    value)``: ``param.data = value``. Each returns True when the runtime took it, False to set the
+    attribute itself (autograd's own gradient, in a backward)."""
     param.__class__ = ChunkedParameter
     param._elixir_read = on_read
     param._elixir_grad = on_grad
+    param._elixir_set_grad = on_set_grad
+    param._elixir_set_data = on_set_data
 
 
 def check_reads(params: Iterable[nn.Parameter], checked: bool) -> None:
@@ -136,5 +152,5 @@ def unchunk_parameter(param: nn.Parameter) -> None:
     """Make ``param`` a plain ``nn.Parameter`` again."""
     if isinstance(param, ChunkedParameter):
         with torch._C.DisableTorchFunctionSubclass():
-            del param._elixir_read, param._elixir_grad
+            del param._elixir_read, param._elixir_grad, param._elixir_set_grad, param._elixir_set_data
             param.__class__ = nn.Parameter

@@ -124,7 +124,8 @@ class ElixirRuntime:
         self.protocol.install(self.resident)
         for chunk in chunks:
             for slot in chunk.slots:
-                chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read)
+                chunk_parameter(slot.param, self.access.on_param_read, self.access.on_grad_read,
+                                self.access.on_grad_write, self.access.on_data_write)
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
         self.scaler: Any = None

@@ -963,6 +963,21 @@ class GradNormLogging(Classifier):
         self.log_dict(grad_norm(self, norm_type=2))
 
 
+class AssignedGrads(Classifier):
+    """Gradients replaced by assignment before the optimizer step: the weights' halved, the first layer's
+    bias dropped (``None``: not stepped) on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 16, 4)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        for layer in (self.net[0], self.net[2], self.net[4]):
+            layer.weight.grad = layer.weight.grad * 0.5
+        if self.trainer.global_step % 2:
+            self.net[0].bias.grad = None
+
+
 class ManualClip(Classifier):
     """clip_grad_norm_ by hand in on_before_optimizer_step; the loss is scaled so the norm is well above 1."""
 
@@ -1109,6 +1124,19 @@ class Prune(Callback):
                 for module in pl_module.modules():
                     if isinstance(module, nn.Linear):
                         torch.nn.utils.prune.l1_unstructured(module, "weight", amount=0.5)
+
+
+class ReprojectData(Callback):
+    """After the second step, gives each Linear weight new values by rebinding ``.data`` (a projection onto
+    the unit-norm ball per row, as constrained training does), with full weights."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:
+            with gathered(trainer), torch.no_grad():
+                for module in pl_module.modules():
+                    if isinstance(module, nn.Linear):
+                        w = module.weight.data
+                        module.weight.data = w / w.norm(dim=1, keepdim=True).clamp(min=1.0)
 
 
 class WeightNormLogger(Callback):
@@ -2121,6 +2149,8 @@ CASES: list[Case] = [
     Case("two_optimizers_each_zeroing_after_its_step", ZeroedByEach, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
+    Case("grads_assigned_before_the_step", AssignedGrads, cls_data),
+    Case("data_rebound_in_gathered_params", SequentialMLP, cls_data, run=fit_with(ReprojectData)),
     Case("clip_norm_of_a_head_only_optimizer", HeadOnlyOptimizer, cls_data, trainer=dict(gradient_clip_val=0.05)),
     Case("manual_clip_each_optimizer_apart", ClipEach, cls_data),
     # the gradient norm of these steps is 0.46-0.79 and max |grad| 0.14-0.43 (checked once): both always clip
