@@ -11,8 +11,10 @@ any operator, method or attribute read that needs the parameter's values (``.dat
 ``.detach()``, ``F.linear``...). It calls ``runtime.on_param_read``, which returns at once when
 the module that owns the parameter is running (the hooks hold its chunk) and otherwise gathers the
 chunk or raises an error that says how to read it ([Note: reading outside the hooks] in
-runtime.py). Metadata reads (shape, dtype, ``numel()``, ``requires_grad``...) never gather. The
-cost is one Python call per operator on a parameter, a few microseconds.
+runtime.py). Metadata reads (shape, dtype, ``numel()``, ``requires_grad``, new tensors ``*_like`` it)
+never gather. Assigning ``.grad`` or ``.data`` goes to the runtime too, which puts the value in the
+chunk (``AccessGuard.on_grad_write``, ``on_data_write``): a rebound ``.data`` would cut the parameter
+off from its chunk. The cost is one Python call per operator on a parameter, a few microseconds.
 
 Teardown turns them back into plain ``nn.Parameter`` objects.
 """
