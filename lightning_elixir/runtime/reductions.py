@@ -118,11 +118,17 @@ class Reductions:
                 view.grad = grad
 
     def _accumulates(self, chunk: Chunk) -> bool:
-        """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale."""
+        """Add to the gradient shard (True) or overwrite it: after zero_grad(set_to_none) it is stale.
+
+        It adds while any view holds a gradient, a frozen one included: a parameter frozen for this
+        backward (toggle_optimizer) keeps what it accumulated, as its ``.grad`` would; the backward adds
+        zero there. Views without one start from zero ([Note: zeroed by one optimizer])."""
         if not self.valid[chunk.index]:
             return False
-        views = [view for view, _, _ in self._targets(chunk) if view.requires_grad]
-        return not views or any(view.grad is not None for view in views)
+        targets = self._targets(chunk)
+        if not any(view.requires_grad for view, _, _ in targets):
+            return True
+        return any(view.grad is not None for view, _, _ in targets)
 
     def _clear_zeroed(self, chunk: Chunk) -> None:
         """Zero the slices of the views whose gradient was set to None while others of the chunk kept theirs.

@@ -885,9 +885,11 @@ class GAN(L.LightningModule):
     backward, so the discriminator's gradients are right only where the generator's loss computed none
     for it (toggle_optimizer froze it)."""
 
-    def __init__(self, zero_after_step: bool = False) -> None:
+    def __init__(self, zero_after_step: bool = False, d_every: int = 1) -> None:
         super().__init__()
         self.zero_after_step = zero_after_step
+        self.d_every = d_every
+        """The discriminator accumulates over this many batches (the generator steps in between, toggled)."""
         self.automatic_optimization = False
         self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
         self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
@@ -905,7 +907,7 @@ class GAN(L.LightningModule):
         fake = self.generator(z).detach()
         d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
                   + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)) / 2
-        self._step(opt_d, d_loss)
+        self._step(opt_d, d_loss, now=(batch_idx + 1) % self.d_every == 0)
         self.untoggle_optimizer(opt_d)
 
         self.toggle_optimizer(opt_g)
@@ -918,13 +920,14 @@ class GAN(L.LightningModule):
         self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
         return {"loss": (d_loss + g_loss).detach()}
 
-    def _step(self, opt: Any, loss: torch.Tensor) -> None:
+    def _step(self, opt: Any, loss: torch.Tensor, now: bool = True) -> None:
         if not self.zero_after_step:
             opt.zero_grad()
         self.manual_backward(loss)
-        opt.step()
-        if self.zero_after_step:
-            opt.zero_grad()
+        if now:
+            opt.step()
+            if self.zero_after_step:
+                opt.zero_grad()
 
     def configure_optimizers(self) -> Any:
         return (torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
@@ -2146,6 +2149,8 @@ CASES: list[Case] = [
     Case("manual_gan_two_optimizers", GAN, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("manual_gan_toggled_zeroed_after_each_step", lambda: GAN(zero_after_step=True), cls_data,
          ddp=dict(find_unused_parameters=True)),
+    Case("manual_gan_discriminator_accumulating_across_generator_steps", lambda: GAN(zero_after_step=True, d_every=2),
+         cls_data, ddp=dict(find_unused_parameters=True)),
     Case("two_optimizers_each_zeroing_after_its_step", ZeroedByEach, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
