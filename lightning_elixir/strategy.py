@@ -280,6 +280,9 @@ class ElixirStrategy(ParallelStrategy):
         self._recomputation: Optional[Recomputation] = None
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
+        self._finished: Optional[ElixirRuntime] = None
+        """After a fit gave the module back: its runtime, whose shards hold the optimizers' state until the
+        next stage (``trainer.save_checkpoint`` after fit gathers it, as DDP would save it)."""
         self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
 
     # ---- precision --------------------------------------------------------------------------
@@ -399,6 +402,7 @@ class ElixirStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
+            self._finished = None
             self.model = self.precision_plugin.convert_module(self.model)
             self.runtime = self._build_runtime(trainer)
             self.precision_plugin.runtime = self.runtime
@@ -780,11 +784,25 @@ class ElixirStrategy(ParallelStrategy):
             optimizer = optimizer._optimizer
         if not optimizer.param_groups:  # Lightning's stand-in when configure_optimizers returns None
             return optimizer.state_dict()
+        if self.runtime is None:
+            return self._state_after_fit(optimizer)
         assert self.runtime is not None
         if self.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's shards
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
         return sd.deferred_optimizer_state_dict(self.runtime, optimizer, index)  # save_checkpoint gathers while writing
+
+    def _state_after_fit(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``trainer.save_checkpoint`` after fit: the optimizer's state gathered from the finished fit's shards
+        (on rank 0, which writes the file), every rank calling it as Lightning does."""
+        finished = self._finished
+        if finished is None or not any(o is optimizer for o in finished.optimizers):
+            return optimizer.state_dict()  # not sharded by this strategy
+        if finished.offload.nvme:
+            raise ValueError("the optimizer state of chunks on NVMe was removed with their files when fit ended: save "
+                             "a checkpoint with it during fit (ModelCheckpoint, or trainer.save_checkpoint in "
+                             "on_train_end), or save the weights only (trainer.save_checkpoint(path, weights_only=True))")
+        return sd.full_optimizer_state_dict(finished, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -843,6 +861,7 @@ class ElixirStrategy(ParallelStrategy):
                 self.runtime.offload.close()  # the shards stay; NVMe files go
         elif self.runtime is not None and self.unshard_on_teardown:
             self.runtime.restore_module()
+            self._finished = self.runtime if self.runtime.optimizers else None
             self.runtime = self.precision_plugin.runtime = None
         if self.runtime is None and self._recomputation is not None:  # the module is the user's again
             self._recomputation.remove()

@@ -221,6 +221,19 @@ def state_dict_after_fit(ctx: Any) -> None:
     ctx.extras["module_state"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
 
 
+def save_checkpoint_after_fit(ctx: Any) -> None:
+    """``trainer.save_checkpoint(path)`` after fit, on every rank (a script's last line): the file rank 0
+    wrote, weights and optimizer state, as a plain module and torch optimizer would have them."""
+    trainer = ctx.trainer()
+    trainer.fit(ctx.model, ctx.data["train"])
+    path = ctx.root.parent / "after_fit.ckpt"  # one path on every rank (each has a root of its own)
+    trainer.save_checkpoint(path)
+    trainer.strategy.barrier()
+    saved = torch.load(path, weights_only=False)
+    ctx.extras["saved_weights"] = saved["state_dict"]
+    ctx.extras["saved_optimizer_state"] = saved["optimizer_states"][0]["state"]
+
+
 def forward_one_rank_after_fit(ctx: Any) -> None:
     """After fit, rank 0 alone runs the model (e.g. a sample at the end of a script); rank 1 does not."""
     fit(ctx)
@@ -2185,6 +2198,7 @@ CASES: list[Case] = [
     Case("second_trainer_after_fit", SequentialMLP, cls_data, run=second_trainer),
     Case("module_state_dict_after_fit", lambda: TiedLM("shared"), token_data, run=state_dict_after_fit),
     Case("forward_on_one_rank_after_fit", SequentialMLP, cls_data, run=forward_one_rank_after_fit),
+    Case("save_checkpoint_after_fit", lambda: WithOptimizer("adamw"), cls_data, run=save_checkpoint_after_fit),
     # Hugging Face transformers
     Case("hf_gpt2", _hf("gpt2"), token_data, requires="transformers"),
     Case("hf_gpt2_dropout", _hf("gpt2", dropout=True), token_data, requires="transformers"),
