@@ -50,13 +50,23 @@ class DropoutGPT(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=BATCH)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        armed = self.oom_in_backward == self.trainer.global_step + 1 and not getattr(self, "_ran_out", False)
+        run_out = self.model.h[-1].mlp  # inside the block: its backward has begun (and pinned) when this raises
+        handle = run_out.register_forward_hook(lambda mod, args, out: _RunOut.apply(out)) if armed else None
+        self._ran_out = self._ran_out if hasattr(self, "_ran_out") else False
         logits = self.model(batch[:, :-1])
+        if handle is not None:
+            handle.remove()
+            self._ran_out = True
         loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), batch[:, 1:].reshape(-1))
         self.log("mean_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
         return loss
 
     oom_in_update = 0
     """The optimizer step whose update raises torch.OutOfMemoryError (0: none)."""
+    oom_in_backward = 0
+    """The optimizer step whose backward raises torch.OutOfMemoryError once, inside the last block's backward
+    (at its MLP's output): the head's backward has run, the last block's chunks are pinned for its own."""
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -71,6 +81,18 @@ class DropoutGPT(L.LightningModule):
             optimizer.register_step_pre_hook(run_out)
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _RunOut(torch.autograd.Function):
+    """Identity forward; its backward raises torch.OutOfMemoryError, as the CUDA allocator does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 KiB (raised by the test)")
 
 
 class ManualDropoutGPT(DropoutGPT):
@@ -136,9 +158,9 @@ class SwitchAfter(Callback):
 
 def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
         recovery: bool = True, switch_after: int = 0, manual: bool = False, checkpointing: bool = False,
-        oom_in_update: int = 0) -> None:
+        oom_in_update: int = 0, oom_in_backward: int = 0, budget: int = BUDGET) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    strategy = ElixirStrategy(plan=plan, device_memory_limit=BUDGET if plan == "auto" else None, replan=False,
+    strategy = ElixirStrategy(plan=plan, device_memory_limit=budget if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
     logger = TensorBoardLogger(run, name="tb", version=0) if limit is not None else False
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=logger,
@@ -148,6 +170,7 @@ def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: 
                         + ([SwitchAfter(switch_after)] if switch_after else []))
     model = ManualDropoutGPT() if manual else DropoutGPT(checkpointing)
     model.oom_in_update = oom_in_update
+    model.oom_in_backward = oom_in_backward
     try:
         if limit is None:
             trainer.fit(model)
@@ -201,14 +224,31 @@ def runs(tmp_path_factory) -> Path:
             for name, (limit, ranks, accumulate, switch, manual) in RECOVERED.items()]
     fits += [(root / "repeated", "auto", {1: 150_000}, None, 2),
              (root / "off", "auto", {1: TIGHT}, None, 2, 1, False),
-             (root / "in_update", "auto", {1: ROOMY}, None, 3, 1, True, 0, False, False, 2)]
+             (root / "in_update", "auto", {1: ROOMY}, None, 3, 1, True, 0, False, False, 2),
+             (root / "evicting", "auto", {1: ROOMY}, None, STEPS, 1, True, 0, False, False, 0, 3, EVICTING)]
     fit_on_ranks(2, fits, fit_fn=fit)
     references = []
     for name, (_, _, accumulate, _, manual) in RECOVERED.items():
         plan = result(root / name)["plan"]
         references.append((root / f"{name}_reference", plan, None, None, STEPS, accumulate, True, 0, manual))
+    references.append((root / "evicting_reference", result(root / "evicting")["plan"], None, None, STEPS))
     fit_on_ranks(2, references, fit_fn=fit)
     return root
+
+
+EVICTING = 680_000
+"""A search budget under which plan="auto" offloads a chunk: a plan whose units pin their chunks for their
+backward, unlike the resident plans the emulated budgets above start from."""
+
+
+def test_a_backward_given_up_while_units_hold_their_chunks_is_redone(runs):
+    """Out of memory in backward under a plan that gathers per unit (it offloads), after some units ran
+    their backward and with the last block's chunks pinned for its own: every pin goes with the step."""
+    for rank in (0, 1):
+        assert not (runs / "evicting" / f"error{rank}.txt").exists(), (runs / "evicting" / f"error{rank}.txt").read_text()
+    attempts = result(runs / "evicting")["attempts"]
+    assert [(a[0], a[1]) for a in attempts] == [(3, "backward")]
+    assert_same_training(runs / "evicting", runs / "evicting_reference")
 
 
 @pytest.mark.parametrize("name", list(RECOVERED))

@@ -307,6 +307,7 @@ class StepProtocol:
 
     def release_all(self) -> None:
         """Free every gathered block (e.g. before a state-dict load, or at teardown), keeping writes."""
+        self._abandon_backward()
         self.release_graph_pins()
         self.guard.release_sticky()
         self.cache.invalidate()
@@ -531,6 +532,17 @@ class StepProtocol:
             self.guard.release_sticky()
             self.cache.shrink()
             self.micro_batches += 1
+
+    def _abandon_backward(self) -> None:
+        """A backward that raised (out of memory, given up by every rank) never reaches its end: let go of
+        the pins its units' calls and its recomputation hold, without reducing what it left; the
+        recovery redoes the micro-batch under a new plan ([Note: recovering from out of memory])."""
+        if self.phase is not Phase.BACKWARD or in_backward():
+            return
+        self.phase = Phase.IDLE
+        self._drop_recomputation()
+        self._release_backward_calls()
+        self.cache.unpin_all()
 
     def finish_unreported(self) -> None:
         """End a backward that left gradients no hook reported ([Note: one hook per chunk] in grads.py)."""
