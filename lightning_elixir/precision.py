@@ -135,6 +135,27 @@ class ElixirPrecision(Precision):
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 
+    # [Note: the loss scale across strategies]
+    # Lightning's fp16 plugin (DDP, one device) keeps its torch.amp.GradScaler's state under "MixedPrecision",
+    # ours under "ElixirPrecision"; each would ignore the other's, and a resume across strategies would start
+    # the scale over at 2**16 (and skip steps finding it again). So a checkpoint we save also holds the scale
+    # as a GradScaler state, and one we load without ours takes it from there.
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            s = self.scaler
+            checkpoint.setdefault("MixedPrecision", {
+                "scale": float(s.scale), "growth_factor": float(s.growth_factor),
+                "backoff_factor": float(s.backoff_factor), "growth_interval": int(s.growth_interval),
+                "_growth_tracker": int(s._good_steps)})
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        other = checkpoint.get("MixedPrecision")
+        if self.scaler is not None and type(self).__qualname__ not in checkpoint and other:
+            self.scaler.load_state_dict({"scale": other["scale"], "good_steps": other.get("_growth_tracker", 0)})
+
 
 def from_lightning_plugin(plugin: Optional[Precision]) -> ElixirPrecision:
     """Translate the precision plugin Lightning picked from ``Trainer(precision=...)`` into ours."""

@@ -316,3 +316,26 @@ def test_a_plan_that_would_evict_at_one_rank_says_it_keeps_every_chunk():
     runtime = ElixirRuntime(module, ElixirPlan(chunk_numel=4096, cache_blocks="min+1", prefetch_depth=1))
     assert runtime.resident and len(runtime.public) > 2
     assert "blocks=all (asked min+1; one rank: each shard is its chunk) prefetch=1" in describe_runtime(runtime)
+
+
+def test_the_fp16_loss_scale_crosses_to_and_from_lightnings_mixed_precision_checkpoints():
+    """A checkpoint saved with 16-mixed under this strategy holds the scale as Lightning's plugin keeps it
+    (a torch GradScaler's state under "MixedPrecision"), and one saved by that plugin gives us its scale."""
+    from lightning_elixir import ElixirPrecision
+
+    ours = ElixirPrecision("16-mixed")
+    ours.scaler.scale, ours.scaler._good_steps = 2.0 ** 13, 7
+    checkpoint = {"ElixirPrecision": ours.state_dict()}
+    ours.on_save_checkpoint(checkpoint)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(checkpoint["MixedPrecision"])
+    assert theirs.get_scale() == 2.0 ** 13 and theirs._get_growth_tracker() == 7
+
+    saved = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10).state_dict()  # as Lightning's MixedPrecision saves it
+    resumed = ElixirPrecision("16-mixed")
+    resumed.on_load_checkpoint({"MixedPrecision": saved})
+    assert resumed.scaler.scale == 2.0 ** 10 and resumed.scaler._good_steps == 0
+    ours_first = ElixirPrecision("16-mixed")  # our own state wins where both are there
+    ours_first.on_load_checkpoint({**checkpoint, "MixedPrecision": saved})
+    ours_first.load_state_dict(checkpoint["ElixirPrecision"])
+    assert ours_first.scaler.scale == 2.0 ** 13
