@@ -70,6 +70,17 @@ class HalvesAGradient(Layers):
                     p.grad.mul_(0.5)
 
 
+class PenalizesALayer(Layers):
+    """Reads an offloaded chunk's weight outside its module (an L2 penalty in the step): the chunk is exposed
+    to writes there, and an update started in backward must not be undone by writing its block back."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y) + 1e-2 * self.body[1].weight.pow(2).sum()
+        self.losses.append(loss.item())
+        return loss
+
+
 class OnlyOverridesTheHook(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         pass
@@ -106,12 +117,13 @@ CONFIGS = {
     "accumulation": {"accumulate_grad_batches": 2},
     "hook": {},
     "callback": {},
+    "read_outside": {},
 }
 
 
 def fit(run: Path, world_size: int, config: str, early: bool) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    module = HalvesAGradient() if config == "hook" else Layers()
+    module = {"hook": HalvesAGradient, "read_outside": PenalizesALayer}.get(config, Layers)()
     precision = None
     if config == "fp16":
         precision = ElixirPrecision("16-mixed")
@@ -143,7 +155,7 @@ def test_updates_started_in_backward_change_nothing(runs, config):
         assert early["losses"] == late["losses"]
         assert late["started"] == 0
         assert early["offloaded"] == 2  # body.1 and body.3
-        expected = STEPS * early["offloaded"] if config in ("plain", "accumulation") else 0  # once per step
+        expected = STEPS * early["offloaded"] if config in ("plain", "accumulation", "read_outside") else 0  # per step
         assert early["started"] == expected, config
         assert early["skipped"] == late["skipped"]
         if config == "fp16":

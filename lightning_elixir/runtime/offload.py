@@ -82,6 +82,7 @@ from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.hotpath import label
 from lightning_elixir.runtime.nvme import NvmeStore, Page
 from lightning_elixir.runtime.shadow import Shadow, per_element_keys, views_of
+from lightning_elixir.runtime.states import ChunkState
 from lightning_elixir.runtime.upload import Uploads
 from lightning_elixir.runtime.state_dict import is_per_element, per_element_nbytes
 
@@ -247,6 +248,11 @@ class OffloadEngine:
         backward allows it ([Note: updates started in backward])."""
         if not self.early or not complete or chunk.placement != "cpu":
             return
+        if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
+            # Read outside the hooks (a temperature in the loss, an L2 penalty): what was written to the
+            # gathered values goes into the master before the update reads it. Left exposed, the block's
+            # pre-update values would be written back over the update when the chunk is released.
+            chunk.write_back()
         slots = {id(view): slot for slot, view in self.user_views[chunk.index]}
         jobs = []
         for optimizer in self.optimizers:
