@@ -59,11 +59,11 @@ from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import load_sharded
 from lightning_elixir.runtime.optim import shard_optimizer
-from lightning_elixir.toggling import install_toggling, remove_toggling
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.calibrate import SelfCorrection
+from lightning_elixir.toggling import install_toggling, remove_toggling
 
 log = logging.getLogger(__name__)
 
@@ -725,8 +725,9 @@ class ElixirStrategy(ParallelStrategy):
         Enter it on every rank. Inside, reading a parameter gathers its chunk on demand (so every
         rank must read the same ones), except for ``params``, whose chunks (and gradients, with
         ``grads=True``) are gathered on entry and may then be read on some ranks only. Changes to
-        parameters or gradients, in place or by assigning ``.data`` or ``.grad``, are kept when the block ends. Gathered values live
-        until then: copy what must outlive it. Example (an EMA callback)::
+        parameters or gradients, in place or by assigning ``.data`` or ``.grad``, are kept when the
+        block ends. Gathered values live until then: copy what must outlive it. Example (an EMA
+        callback)::
 
             with trainer.strategy.gathered_params():
                 for ema, p in zip(self.ema.parameters(), pl_module.parameters()):
@@ -786,7 +787,6 @@ class ElixirStrategy(ParallelStrategy):
             return optimizer.state_dict()
         if self.runtime is None:
             return self._state_after_fit(optimizer)
-        assert self.runtime is not None
         if self.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's shards
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
