@@ -124,12 +124,7 @@ class AccessGuard:
 
     def on_grad_read(self, param: nn.Parameter) -> Optional[torch.Tensor]:
         """``param.grad``: autograd's own while it accumulates, else gathered from the shards."""
-        with torch._C.DisableTorchFunctionSubclass():
-            raw = param.grad
-        if raw is not None and not in_backward():  # a backward no hook reported: end it first
-            self.grads.finish_unreported()
-            with torch._C.DisableTorchFunctionSubclass():
-                raw = param.grad
+        raw = self._own_grad(param)
         if raw is not None or in_backward() or not param.requires_grad:
             return raw
         chunk, slot = self.table.where(param)
@@ -141,10 +136,25 @@ class AccessGuard:
                 return None
             raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
                                    f"(reduce-scattered into shards); {_HOW}")
+        return self._gathered_grad(chunk)[slot.offset:slot.end].view(slot.shape)
+
+    def _own_grad(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """``param``'s ``.grad`` attribute itself; outside a backward, once a backward that left gradients no
+        hook reported has been ended (its gradients go into the shards, the attribute to None)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            raw = param.grad
+        if raw is not None and not in_backward():
+            self.grads.finish_unreported()
+            with torch._C.DisableTorchFunctionSubclass():
+                raw = param.grad
+        return raw
+
+    def _gathered_grad(self, chunk: Chunk) -> torch.Tensor:
+        """``chunk``'s gradient gathered from the shards, once per region (kept changes go back when it ends)."""
         full = self.full_grads.get(chunk.index)
         if full is None:
             full = self.full_grads[chunk.index] = chunk.gather_full(chunk.grad_shard)
-        return full[slot.offset:slot.end].view(slot.shape)
+        return full
 
     def on_grad_write(self, param: nn.Parameter, value: Optional[torch.Tensor]) -> bool:
         """``param.grad = value`` outside autograd: the gradient shards take it (True), so that the optimizer
@@ -174,14 +184,8 @@ class AccessGuard:
             raise RuntimeError(f"assigning .grad of {slot.name!r} before any backward has given its chunk gradients "
                                "is not supported by the Elixir strategy: assign it after a backward, or change the "
                                "gradient in place")
-        with torch._C.DisableTorchFunctionSubclass():
-            raw = param.grad
-        if raw is not None:  # a backward no hook reported: its gradients go into the shards first
-            self.grads.finish_unreported()
-        full = self.full_grads.get(chunk.index)
-        if full is None:
-            full = self.full_grads[chunk.index] = chunk.gather_full(chunk.grad_shard)
-        full[slot.offset:slot.end].copy_(value.detach().reshape(-1))
+        self._own_grad(param)  # a backward no hook reported: its gradients go into the shards first
+        self._gathered_grad(chunk)[slot.offset:slot.end].copy_(value.detach().reshape(-1))
         self.grads.restore_grad(param)
         return True
 

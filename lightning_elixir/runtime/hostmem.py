@@ -5,10 +5,11 @@ An offloaded chunk keeps its gradient shard (and its master, where the master ha
 in page-locked host memory, so that its copies to and from the device are asynchronous. torch's
 pinned allocator rounds every block up to a power of two and keeps it when it is freed: a shard of
 33.6 MB holds 64 MiB, and 23 of them held 1.54 GB for 0.77 GB of state, host memory that neither the
-plan nor the runtime's own count saw (cut from three slabs, they hold 0.87 GB). So the runtime asks for its pinned tensors once, when it builds
-the chunks, as views into a few slabs whose sizes are powers of two (``slab_plan``): while what is
-left is more than one power of two holds with less slack than its largest tensor, the next slab is
-the largest power of two not above it, filled largest tensor first; the last slab holds the rest.
+plan nor the runtime's own count saw (cut from three slabs, they hold 0.87 GB). So the runtime asks
+for its pinned tensors once, when it builds the chunks, as views into a few slabs whose sizes are
+powers of two (``slab_plan``): while what is left is more than one power of two holds with less
+slack than its largest tensor, the next slab is the largest power of two not above it, filled
+largest tensor first; the last slab holds the rest.
 Each slab's slack is then under one tensor, the slabs are few (about log2 of the tensor count), and
 the runtime counts the slack as host memory it holds (``HostArena.slack_bytes``). On a CPU-only
 machine nothing is pinned and there is nothing to round: the arena is one slab of exactly the bytes
