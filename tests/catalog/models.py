@@ -994,8 +994,8 @@ class AssignedGrads(Classifier):
             self.net[0].bias.grad = None
 
 
-class ManualClip(Classifier):
-    """clip_grad_norm_ by hand in on_before_optimizer_step; the loss is scaled so the norm is well above 1."""
+class ScaledLoss(Classifier):
+    """A three-layer MLP whose loss is scaled so that its gradients' norm is well above 1 (clipping bites)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1005,24 +1005,19 @@ class ManualClip(Classifier):
         loss = 20 * self.loss(batch)
         self.log("train_loss", loss)
         return loss
+
+
+class ManualClip(ScaledLoss):
+    """clip_grad_norm_ by hand in on_before_optimizer_step."""
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         total = torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
         self.log("total_norm_before_clip", total)
 
 
-class HeadOnlyOptimizer(Classifier):
+class HeadOnlyOptimizer(ScaledLoss):
     """The optimizer holds the head only; the body trains too (its gradients exist) but is never stepped.
     Clipping by norm, as the Trainer does it for this optimizer, sees the head's gradients only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp(8, 16, 16, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = 20 * self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.net[-1].parameters(), lr=0.1, momentum=0.9)
