@@ -180,11 +180,9 @@ class AccessGuard:
         if not self.in_region():
             raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
                                    f"(reduce-scattered into shards); assign it {_HOW.removeprefix('read it ')}")
-        if not self.grads.valid(chunk):
-            raise RuntimeError(f"assigning .grad of {slot.name!r} before any backward has given its chunk gradients "
-                               "is not supported by the Elixir strategy: assign it after a backward, or change the "
-                               "gradient in place")
         self._own_grad(param)  # a backward no hook reported: its gradients go into the shards first
+        if not self.grads.valid(chunk):
+            self.grads.start_assigned(chunk)
         self._gathered_grad(chunk)[slot.offset:slot.end].copy_(value.detach().reshape(-1))
         self.grads.restore_grad(param)
         return True

@@ -168,6 +168,19 @@ class GradientFlow:
             view.grad = chunk.grad_shard[slice(*chunk.shard_range(slot))]
         self.reductions.seen.add(id(param))
 
+    def start_assigned(self, chunk: Chunk) -> None:
+        """``.grad`` is assigned to a parameter of ``chunk`` before any backward gave the chunk gradients (a
+        zeroth-order estimate, gradients from ``torch.autograd.grad``): its shard starts at zero with no view
+        holding a gradient, as a plain parameter's ``.grad`` starts at None; a later backward adds to it."""
+        self.finish_unreported()
+        chunk.settle()
+        chunk.grad_shard.zero_()
+        self.reductions.valid[chunk.index] = True
+        for slot in chunk.slots:
+            view = self.table.views.get(id(slot.param))
+            if view is not None:
+                view.grad = None
+
     def rebuild(self) -> None:
         """The table's chunks changed (the module was detached from them)."""
         self.reductions = Reductions(self.table.chunks, self.offload, self.table.chunk_views)

@@ -892,6 +892,73 @@ class ManualOptimization(ManualMLP):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
 
 
+class ZerothOrderGrads(ManualMLP):
+    """Zeroth-order training (SPSA, as MeZO fine-tunes without a backward): the weights are moved along a
+    random direction and back under no_grad, and each parameter's ``.grad`` is assigned the estimate
+    times the direction. No step ever runs a backward, so every gradient is assigned first."""
+
+    eps = 1e-2
+
+    def _perturb(self, scale: float, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(torch.randn(p.shape, generator=gen), alpha=scale * self.eps)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        seed = 1000 + self.global_step
+        with torch.no_grad():
+            self._perturb(1.0, seed)
+            plus = self.loss(batch)
+            self._perturb(-2.0, seed)
+            minus = self.loss(batch)
+            self._perturb(1.0, seed)
+        estimate = self.all_gather((plus - minus) / (2 * self.eps)).mean()  # the ranks' mean, as a reduction gives
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            p.grad = estimate * torch.randn(p.shape, generator=gen)
+        opt.step()
+        opt.zero_grad()
+        loss = (plus + minus) / 2
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ProjectedTaskGrads(ManualMLP):
+    """Gradient surgery (PCGrad): two task losses differentiated apart with ``torch.autograd.grad``,
+    averaged over the ranks, the conflicting component projected out, the sum assigned to ``.grad``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        task_a = F.cross_entropy(logits, y)
+        task_b = (logits ** 2).mean()
+        params = [p for p in self.parameters()]
+        grads = []
+        for i, task in enumerate((task_a, task_b)):
+            gs = torch.autograd.grad(task, params, retain_graph=i == 0)
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            grads.append(self.trainer.strategy.reduce(flat, reduce_op="mean"))
+        ga, gb = grads
+        dot = torch.dot(ga, gb)
+        if dot < 0:
+            ga = ga - dot / gb.pow(2).sum() * gb
+        total, offset = ga + gb, 0
+        for p in params:
+            p.grad = total[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        opt.step()
+        opt.zero_grad()
+        loss = task_a + task_b
+        self.log("train_loss", loss)
+        return loss.detach()
+
+
 class GAN(L.LightningModule):
     """Two optimizers, manual optimization with toggle_optimizer; noise drawn from the global RNG.
     ``zero_after_step``: each optimizer zeroes its gradients after its step rather than before its
@@ -2163,6 +2230,8 @@ CASES: list[Case] = [
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
     Case("grads_assigned_before_the_step", AssignedGrads, cls_data),
+    Case("zeroth_order_grads_assigned_without_backward", ZerothOrderGrads, cls_data),
+    Case("projected_task_grads_from_autograd_grad", ProjectedTaskGrads, cls_data),
     Case("data_rebound_in_gathered_params", SequentialMLP, cls_data, run=fit_with(ReprojectData)),
     Case("clip_norm_of_a_head_only_optimizer", HeadOnlyOptimizer, cls_data, trainer=dict(gradient_clip_val=0.05)),
     Case("manual_clip_each_optimizer_apart", ClipEach, cls_data),
