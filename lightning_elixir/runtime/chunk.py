@@ -291,11 +291,25 @@ class Chunk:
         self._frozen = [(s.offset, s.end) for s in self.slots if s.numel and not s.param.requires_grad]
         """Slots of frozen parameters: zero in a reduced gradient shard, and so where one rank writes its own."""
         if self.grad_requiring and self.grad_requiring != self.learned_for:
-            self.forget_watcher()
+            learned = self.learned.get(frozenset(self.grad_requiring))
+            if learned is None:
+                self.forget_watcher()
+            else:  # these parameters trained before (optimizers toggled in turn): their watcher is known
+                self.watcher, self.learned_for = learned, frozenset(self.grad_requiring)
         self.reset_grad_tracking()
 
-    def forget_watcher(self) -> None:
-        """Learn again which parameter completes the chunk ([Note: one hook per chunk] in grads.py)."""
+    def learn_watcher(self, pid: int) -> None:
+        """``pid``'s gradient completes the chunk while the parameters trainable now train."""
+        self.watcher, self.learned_for = pid, frozenset(self.grad_requiring)
+        self.learned[self.learned_for] = pid
+
+    def forget_watcher(self, everything: bool = False) -> None:
+        """Learn again which parameter completes the chunk ([Note: one hook per chunk] in grads.py);
+        ``everything``: forget the watchers learned for other sets of trainable parameters too."""
+        if everything or not hasattr(self, "learned"):
+            self.learned: dict[frozenset[int], int] = {}
+            """The watcher learned for each set of trainable parameters: optimizers toggled in turn
+            (a GAN's over a chunk holding parts of both networks) reuse theirs at every switch."""
         self.watcher: Optional[int] = None
         """id of the one trainable parameter whose hook stands for the chunk, once learned; None while
         every trainable parameter has a hook."""

@@ -20,6 +20,9 @@ parameter completes each chunk and hooks only that one:
   ``.grad`` (an attribute read each: a check, not a hook). If one has none (a step that used the
   parameters differently), the chunk waits for the end of backward, as an incomplete chunk always
   did, and learns again: correct either way, only the overlap of that one reduction is lost.
+- A chunk keeps the watcher it learned for each set of trainable parameters: optimizers toggled in
+  turn over a chunk that holds parts of both networks (a small GAN's) switch between two learned
+  watchers, hooking nothing again after each set's first backward.
 - The parameter whose gradient arrived first in a backward keeps its hook too: a backward begins,
   and queues its end, in the graph task it began in with every hook. (The first watcher to fire
   may be inside a reentrant checkpoint's nested backward, whose end is not the backward's.)
@@ -317,14 +320,14 @@ class Trainable:
         whose watcher reported early gets every hook back ([Note: one hook per chunk])."""
         for chunk in self.table.chunks:
             if chunk.watch_missed:
+                chunk.learned.pop(chunk.learned_for, None)
                 chunk.forget_watcher()
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
                     if pid not in self._hooks:
                         self._hook(slot.param, chunk)
             elif chunk.watcher is None and chunk.last_arrival is not None:
-                chunk.watcher = chunk.last_arrival
-                chunk.learned_for = frozenset(chunk.grad_requiring)
+                chunk.learn_watcher(chunk.last_arrival)
                 for slot in chunk.trainable_slots:
                     pid = id(slot.param)
                     if pid not in (chunk.watcher, self.first_arrival) and pid in self._hooks:
@@ -374,4 +377,4 @@ class Trainable:
             handle.remove()
         self._hooks.clear()
         for chunk in self.table.chunks:
-            chunk.forget_watcher()
+            chunk.forget_watcher(everything=True)

@@ -209,7 +209,7 @@ class TwoParts(nn.Module):
         return self.second(torch.relu(self.first(x)))
 
 
-def _train_toggled(rank: int, world_size: int) -> dict:
+def _train_toggled(rank: int, world_size: int, chunk_numel: int = 256) -> dict:
     """Each step trains one part with the other frozen, as Lightning's ``toggle_optimizer`` does."""
     from lightning_elixir.runtime.collectives import Group
     from lightning_elixir.runtime.runtime import ElixirRuntime
@@ -218,7 +218,7 @@ def _train_toggled(rank: int, world_size: int) -> dict:
     model, reference = TwoParts(), TwoParts()
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=256, cache_blocks=CACHE_ALL), group=Group.default())
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=chunk_numel, cache_blocks=CACHE_ALL), group=Group.default())
     optimizer = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     hooked, registered = [], []
     for step in range(6):
@@ -242,3 +242,15 @@ def test_watchers_are_kept_while_their_parameters_are_frozen(world_size):
         # hook again, and each part keeps two (its watcher and the first parameter to arrive)
         assert result["registered"] == [8] * 6, result["registered"]
         assert result["hooked"][1:] == [4] * 5, result["hooked"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_watchers_are_kept_for_each_part_of_a_chunk_toggled_in_turn(world_size):
+    for result in run_distributed(_train_toggled, world_size, 4096):
+        for p, r in result["weights"]:
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert result["chunks"] == 1
+        # one chunk holds both parts: each part learns its watcher once (every parameter is hooked at the
+        # start), then switching parts registers no hook
+        assert result["registered"] == [8] * 6, result["registered"]
+        assert max(result["hooked"][1:]) <= 4, result["hooked"]
