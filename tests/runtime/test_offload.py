@@ -47,6 +47,8 @@ class Case:
     schedule: bool = False
     precision: str = "32-true"
     inf_grad_at: Optional[tuple[int, int]] = None
+    assigned_every: int = 0
+    """Every this many steps, gradients are assigned (``p.grad = g``) instead of computed by a backward."""
 
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -91,7 +93,13 @@ def train(rank: int, model: torch.nn.Module, plan: ElixirPlan, case: Case, nvme_
         handle = None
         if case.inf_grad_at == (step, rank):
             handle = next(p for p in model.parameters()).register_hook(lambda g: torch.full_like(g, float("inf")))
-        for x, y in batches(rank, run, step):
+        if case.assigned_every and step % case.assigned_every == 0:  # no backward: every gradient assigned
+            gen = torch.Generator().manual_seed(step)
+            with runtime.step_region():
+                runtime.begin_iteration()
+                for p in model.parameters():
+                    p.grad = 0.01 * torch.randn(p.shape, generator=gen)
+        for x, y in [] if case.assigned_every and step % case.assigned_every == 0 else batches(rank, run, step):
             loss = loss_of(model, x, y, autocast) / case.micro_batches
             losses.append(loss.item())
             (runtime.scaler.scale_loss(loss) if runtime.scaler else loss).backward()
@@ -130,6 +138,7 @@ CASES = {
     "clip-norm": Case("adamw", clip_norm=0.05),
     "accumulation": Case("adamw", micro_batches=3, steps=4),
     "16-mixed-overflow": Case("adamw", precision="16-mixed", inf_grad_at=(2, 1)),
+    "assigned-without-backward": Case("adamw", assigned_every=2, clip_norm=0.05),
 }
 
 
