@@ -406,6 +406,8 @@ class ElixirStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.runtime = self._build_runtime(trainer)
             self.precision_plugin.runtime = self.runtime
+        else:  # the last stage's runtime (its recomputation was taken off if that stage failed)
+            self._recompute(self.runtime.plan)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             install_toggling(self.lightning_module)  # [Note: toggling optimizers]
@@ -859,12 +861,15 @@ class ElixirStrategy(ParallelStrategy):
         if self.runtime is not None and self._failed:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
                 self.runtime.offload.close()  # the shards stay; NVMe files go
+            log.warning("Elixir: the stage failed, so the module keeps its shards (gathering them could wait on "
+                        "ranks that failed): the next stage, on this Trainer or another, gathers them back, and "
+                        "until then `with trainer.strategy.gathered_params():` reads them (on every rank)")
         elif self.runtime is not None and self.unshard_on_teardown:
             self.runtime.restore_module()
             self._finished = self.runtime if self.runtime.optimizers else None
             self.runtime = self.precision_plugin.runtime = None
-        if self.runtime is None and self._recomputation is not None:  # the module is the user's again
-            self._recomputation.remove()
+        if self._recomputation is not None and (self.runtime is None or self._failed):  # the module is the user's
+            self._recomputation.remove()  # again, or a new strategy may take it over (a reused runtime re-applies it)
             self._recomputation = None
         if self.runtime is None and not _holds_meta(self.lightning_module):
             super().teardown()  # moves the (plain) module to the CPU, as for DDP; checkpoint_io too
@@ -873,6 +878,7 @@ class ElixirStrategy(ParallelStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
         self._saver.unsplice()  # after checkpoint_io.teardown() waited for asynchronous saves
+        self._failed = False  # the next stage starts afresh
 
     @classmethod
     @override

@@ -284,7 +284,7 @@ class AccessGuard:
     def _let_go(self, region: _Region) -> None:
         for index in region.public:
             chunk = self.table.chunks[index]
-            if chunk.exposed:
+            if chunk.written():
                 chunk.write_back()
         self.cache.release_pins(tuple(region.public))
         for chunk in region.private:

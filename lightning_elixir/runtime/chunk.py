@@ -200,9 +200,9 @@ class Chunk:
             self._move(ChunkState.HOLD)
 
     def release(self) -> None:
-        """HOLD -> FREE: keep what was written to exposed values, free the block; placeholders in."""
+        """HOLD -> FREE: keep what was written to the gathered values, free the block; placeholders in."""
         self._move(ChunkState.FREE)
-        if self.exposed:
+        if self.written():
             self.write_back()
         with torch._C.DisableTorchFunctionSubclass():  # a ChunkedParameter's ``.data =`` reads nothing
             for slot, placeholder in zip(self.slots, self._placeholders):
@@ -226,14 +226,33 @@ class Chunk:
         with torch._C.DisableTorchFunctionSubclass():  # as in release: no ChunkedParameter dispatch per slot
             for slot in self.slots:
                 slot.param.data = slot.view
+            self._versions = [slot.param._version for slot in self.slots]
         self.bound = True
+
+    def written(self) -> bool:
+        """Whether code may have written to the gathered values since they were bound or written back: it
+        read them outside the hooks (``exposed``), or an in-place operation on a parameter moved its version
+        counter ([Note: writes to parameters])."""
+        if self.exposed:
+            return True
+        if not self.bound:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # an attribute read: no ChunkedParameter dispatch
+            return [slot.param._version for slot in self.slots] != self._versions
 
     def write_back(self) -> None:
         """Copy values written to this rank's part of the gathered block into the master shard.
 
         [Note: writes to parameters]
         Code that writes to parameters in place (``p.data.clamp_()``, an EMA swap inside
-        ``gathered_params()``) writes to the gathered block, which the next gather overwrites.
+        ``gathered_params()``, ``weight.clamp_()`` under no_grad in a module's own forward, a tied
+        embedding renormalised before the step) writes to the gathered block, which the next gather
+        overwrites. Such a chunk is found two ways: a read outside the hooks marks it ``exposed``
+        (it may be written through ``.data``), and an in-place operation on a parameter itself moves
+        that parameter's version counter, which ``written`` compares with the one it had when its
+        view was bound (a list of attribute reads, when a chunk is released and before each
+        optimizer step; a write through ``.data`` inside a module's own forward, where nothing is
+        intercepted, moves no counter of the parameter and is not seen).
         Every rank runs the same code, so each one compares its own part of the block with its
         compute-dtype shard and copies only the elements that changed into the master: the fp32
         master keeps its precision wherever nothing was written. Where the shard is the block
@@ -241,6 +260,9 @@ class Chunk:
         shard itself, is compared in the compute dtype instead.
         """
         self.exposed = False
+        if self.bound:
+            with torch._C.DisableTorchFunctionSubclass():
+                self._versions = [slot.param._version for slot in self.slots]
         own = self.full[self.shard_begin:self.shard_begin + self.shard_numel]
         if self.aliased and self.master is self.shard:
             return  # the writes went to the master itself

@@ -248,7 +248,7 @@ class OffloadEngine:
         backward allows it ([Note: updates started in backward])."""
         if not self.early or not complete or chunk.placement != "cpu":
             return
-        if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
+        if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE) and chunk.written():
             # Read outside the hooks (a temperature in the loss, an L2 penalty): what was written to the
             # gathered values goes into the master before the update reads it. Left exposed, the block's
             # pre-update values would be written back over the update when the chunk is released.

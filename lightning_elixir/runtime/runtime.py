@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Optional, Union
 
@@ -33,6 +34,23 @@ from lightning_elixir.runtime.timeline import TimelineRecorder
 from lightning_elixir.units import hook_units, most_public_chunks
 
 log = logging.getLogger(__name__)
+
+_HOLDER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+"""The runtime whose chunks hold each module's parameters, until it gives them back or lets them go."""
+
+
+def _take_back(module: nn.Module) -> None:
+    """A module that a runtime still holds, left sharded by a stage that failed (its teardown gathers
+    nothing: the failure may have been a collective's), gets its parameters back before a new runtime
+    reads them. Every rank builds the new runtime, so every rank gathers here."""
+    holder = _HOLDER.get(module)
+    runtime = holder() if holder is not None else None
+    if holder is not None and runtime is None:
+        raise RuntimeError("the module's parameters are still sharded by an Elixir run that failed and is gone, so "
+                           "their values cannot be gathered: build the module again, or load a checkpoint into it")
+    if runtime is not None:
+        log.info("the module was left sharded by a stage that failed: gathering its parameters back first")
+        runtime.restore_module()
 
 
 def _cache_blocks(plan: ElixirPlan, specs: tuple[ChunkSpec, ...], module: nn.Module) -> int:
@@ -81,6 +99,7 @@ class ElixirRuntime:
                  private_params: Iterable[str] = (), grow_cache: bool = False, broadcast_buffers: bool = True,
                  nvme_path: Optional[str] = None, nvme_buffers: int = 3, values: bool = True,
                  deferred: Sequence[InitRecord] = ()) -> None:
+        _take_back(module)
         self.module = module
         self.plan = plan or ElixirPlan()
         self.group = group or Group.default()
@@ -128,6 +147,7 @@ class ElixirRuntime:
                                 self.access.on_grad_write, self.access.on_data_write)
         self.optimizers: list[Any] = []
         """The optimizers whose parameters are shard views (``runtime.optim.shard_optimizer``)."""
+        _HOLDER[module] = weakref.ref(self)
         self.scaler: Any = None
         self.steps = 0
         self.skipped_steps = 0
@@ -290,7 +310,7 @@ class ElixirRuntime:
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:  # gathered after the last step, unused since: its all-gather
                 chunk.finish_gather()                # reads the shard the step writes (on a GPU, another stream)
-            if chunk.exposed and chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
+            if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE) and chunk.written():
                 with self.offload.resident(chunk, write=True):
                     chunk.write_back()
 
@@ -479,10 +499,17 @@ class ElixirRuntime:
                 slot.param.grad = None
         self.remove_hooks()
         self.offload.close()
+        self._let_go()
         self.table.clear()
         self.grads.rebuild()
         self.grad_buffers.clear()
         self.optimizers = []
+
+    def _let_go(self) -> None:
+        """The module's parameters are no longer this runtime's."""
+        holder = _HOLDER.get(self.module)
+        if holder is not None and holder() is self:
+            del _HOLDER[self.module]
 
     def restore_module(self) -> None:
         """Give the module plain parameters with the trained values on every rank; remove the hooks.
@@ -502,3 +529,4 @@ class ElixirRuntime:
                 del full
         self.remove_hooks()
         self.offload.close()
+        self._let_go()

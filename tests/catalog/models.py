@@ -244,6 +244,21 @@ def forward_one_rank_after_fit(ctx: Any) -> None:
             ctx.extras["forward"] = ctx.model(x).detach().clone()
 
 
+def after_failed_stages(ctx: Any) -> None:
+    """A stage that raised on every rank (a bug in validation_step, caught by the script): the same Trainer then
+    fits and the module reads as a plain one; a stage that fails again leaves it to a fresh Trainer, which fits."""
+    trainer = ctx.trainer()
+    for attempt in (trainer, ctx.trainer()):
+        ctx.model.failing = True
+        with contextlib.suppress(ValueError):
+            attempt.validate(ctx.model, ctx.data["val"], verbose=False)
+        ctx.model.failing = False
+        if attempt is trainer:
+            trainer.fit(ctx.model, ctx.data["train"], ctx.data["val"])
+            ctx.extras["after_fit"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
+    ctx.trainer(max_steps=2).fit(ctx.model, ctx.data["train"])
+
+
 def fit_with(*callbacks: Callable[[], Callback],
              keep: Optional[Callable[[list[Callback]], dict]] = None) -> Callable[[Any], None]:
     """Fit with fresh instances of these callbacks; ``keep`` turns them into extras after fit."""
@@ -456,6 +471,70 @@ class TiedLM(TokenLM):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         return self.head(self.ln(h + self.block(h)))
+
+
+class TiedRenorm(TiedLM):
+    """A tied embedding whose rows are renormalised in place (norm at most 0.5) at the start of each training
+    step or before each optimizer step: a chunk held privately, written outside its modules' forwards."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__("shared")
+        self.where = where
+
+    def _renorm(self) -> None:
+        with torch.no_grad():
+            w = self.emb.weight
+            w.div_(w.norm(dim=1, keepdim=True).clamp(min=0.5) / 0.5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.where == "step_start":
+            self._renorm()
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.where == "before_step":
+            self._renorm()
+
+
+class DecayedInStep(Classifier):
+    """The first layer's weight decayed by hand (in place, no_grad) at the start of each training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 32, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            self.net[0].weight.mul_(0.9)
+        return super().training_step(batch, batch_idx)
+
+
+class ClampedLinear(nn.Linear):
+    """Clamps its weight in place (no_grad) at the start of its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.clamp_(-0.15, 0.15)
+        return super().forward(x)
+
+
+class MaskedLinear(nn.Linear):
+    """Zeroes a fixed third of its weight in place (no_grad) at the start of its own forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("mask", (torch.arange(self.weight.numel()) % 3 != 0).float().view_as(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.mul_(self.mask)
+        return super().forward(x)
+
+
+class WrittenInForward(Classifier):
+    def __init__(self, first: type) -> None:
+        super().__init__()
+        self.net = nn.Sequential(first(8, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 class WeightOutsideModule(Classifier):
@@ -1044,6 +1123,21 @@ class GradNormLogging(Classifier):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.log_dict(grad_norm(self, norm_type=2))
+
+
+class FailingValidation(Classifier):
+    """``validation_step`` raises while ``failing`` is set (on every rank)."""
+
+    failing = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.failing:
+            raise ValueError("a bug in validation_step")
+        super().validation_step(batch, batch_idx)
 
 
 class AssignedGrads(Classifier):
@@ -2231,6 +2325,12 @@ CASES: list[Case] = [
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
     Case("grads_assigned_before_the_step", AssignedGrads, cls_data),
     Case("zeroth_order_grads_assigned_without_backward", ZerothOrderGrads, cls_data),
+    Case("fit_after_failed_stages", FailingValidation, cls_data, run=after_failed_stages),
+    Case("tied_embedding_renormed_before_optimizer_step", lambda: TiedRenorm("before_step"), token_data),
+    Case("tied_embedding_renormed_at_step_start", lambda: TiedRenorm("step_start"), token_data),
+    Case("weight_decayed_by_hand_in_training_step", DecayedInStep, cls_data),
+    Case("weight_clamped_in_its_forward", lambda: WrittenInForward(ClampedLinear), cls_data),
+    Case("weight_masked_in_its_forward", lambda: WrittenInForward(MaskedLinear), cls_data),
     Case("projected_task_grads_from_autograd_grad", ProjectedTaskGrads, cls_data),
     Case("data_rebound_in_gathered_params", SequentialMLP, cls_data, run=fit_with(ReprojectData)),
     Case("clip_norm_of_a_head_only_optimizer", HeadOnlyOptimizer, cls_data, trainer=dict(gradient_clip_val=0.05)),
