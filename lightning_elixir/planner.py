@@ -40,6 +40,7 @@ from lightning_elixir.profile.preserved import preserved_rng
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.policy import own_dtype_params
 from lightning_elixir.recompute import recompute_candidates, recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 from lightning_elixir.search.errors import NoPlanFitsError
@@ -342,6 +343,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
           offload: Optional[OffloadSettings] = None) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
     offload = offload or OffloadSettings()
+    private_params = (*private_params, *own_dtype_params(module, (compute_dtype,)))  # chunks of their own dtype
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
     with preserved_rng(cuda=device.type == "cuda"):

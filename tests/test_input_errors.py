@@ -372,39 +372,48 @@ def test_lazy_modules_must_be_initialized_first():
         ElixirRuntime(nn.Sequential(nn.LazyLinear(4)), ElixirPlan())
 
 
-def test_add_param_group_takes_module_parameters_and_refuses_offloaded_ones():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    reference = [p.detach().clone() for p in model.parameters()]
-    runtime = ElixirRuntime(model, ElixirPlan())
-    opt = shard_optimizer(runtime, torch.optim.SGD(model[1].parameters(), lr=0.1))
-    opt.add_param_group({"params": model[0].parameters(), "lr": 0.5})
-    assert opt.param_groups[1]["lr"] == 0.5
-    assert [p.numel() for p in opt.param_groups[1]["params"]] == [16, 4]
-    with pytest.raises(ValueError, match="not a parameter of the model"):
-        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-    model(torch.ones(2, 4)).sum().backward()
+def _trained_after_adding_a_group(plan: ElixirPlan) -> dict:
+    """Two steps of momentum SGD over the head (the first layer frozen), then the first layer unfrozen and added
+    as a group of its own, two more."""
     from lightning_elixir.runtime.optim import optimizer_step
-
-    optimizer_step(runtime, opt)
-    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    with torch.no_grad():
-        for p, value in zip(ref.parameters(), reference):
-            p.copy_(value)
-    ref(torch.ones(2, 4)).sum().backward()
-    with torch.no_grad():
-        for i, p in enumerate(ref.parameters()):
-            p -= (0.5 if i < 2 else 0.1) * p.grad
     from lightning_elixir.runtime.state_dict import full_state_dict
 
-    state = full_state_dict(runtime)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(state[key], value)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    runtime = ElixirRuntime(model, plan)
+    opt = shard_optimizer(runtime, torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9))
+    for step in range(4):
+        if step == 2:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": model[0].parameters(), "lr": 0.5})
+            assert opt.param_groups[1]["lr"] == 0.5
+            assert [p.numel() for p in opt.param_groups[1]["params"]] == [16, 4]
+        model(torch.full((2, 4), 1.0 + step)).sum().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+    return full_state_dict(runtime)
 
-    offloaded = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    plan = ElixirPlan(chunks=[ChunkSpec(params=("0.weight", "0.bias", "1.weight", "1.bias"), numel=256,
-                                        placement="cpu")], world_size=1)
-    runtime = ElixirRuntime(offloaded, plan)
-    opt = shard_optimizer(runtime, torch.optim.SGD(offloaded[1].parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="optimizer state offloaded by the plan"):
-        opt.add_param_group({"params": offloaded[0].parameters()})
+
+def test_add_param_group_takes_module_parameters_also_of_offloaded_chunks():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ref[0].requires_grad_(False)
+    opt = torch.optim.SGD(ref[1].parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            ref[0].requires_grad_(True)
+            opt.add_param_group({"params": ref[0].parameters(), "lr": 0.5})
+        ref(torch.full((2, 4), 1.0 + step)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    names = ("0.weight", "0.bias", "1.weight", "1.bias")
+    for placement in ("device", "cpu"):
+        plan = ElixirPlan(chunks=[ChunkSpec(params=names, numel=256, placement=placement)], world_size=1)
+        state = _trained_after_adding_a_group(plan)
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(state[key], value, msg=f"{placement}: {key}")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = shard_optimizer(ElixirRuntime(model, ElixirPlan()), torch.optim.SGD(model[1].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})

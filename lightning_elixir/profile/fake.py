@@ -116,8 +116,9 @@ def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
 
 def _fake_param(p: nn.Parameter, mode: FakeTensorMode, device: torch.device,
                 param_dtype: torch.dtype | None) -> nn.Parameter:
-    """A fake Parameter like ``p``, in ``param_dtype`` when that is given and ``p`` is floating."""
-    dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+    """A fake Parameter like ``p``, in ``param_dtype`` when that is given and ``p`` is fp32 (a parameter of
+    another dtype keeps it in the run: [Note: parameters of other dtypes] in runtime/policy.py)."""
+    dtype = param_dtype if param_dtype is not None and p.dtype == torch.float32 else p.dtype
     with mode:
         return nn.Parameter(_fake_like(p, mode, device, dtype), requires_grad=p.requires_grad)
 

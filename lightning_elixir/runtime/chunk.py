@@ -89,7 +89,8 @@ class Chunk:
         self.exposed = False
         """Code outside the hooks got hold of the gathered values and may write to them."""
         self._gather_work: Any = None
-        nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
+        nan = torch.full((1,), float("nan") if compute_dtype.is_floating_point or compute_dtype.is_complex else 0,
+                         dtype=compute_dtype, device=device)  # an integer chunk's placeholder reads zero
         self._placeholders = [nan.expand(slot.shape) if len(slot.shape) else nan[0] for slot in slots]
         self.full = torch.zeros(self.numel, dtype=compute_dtype, device=device)
         for slot in slots:

@@ -280,6 +280,19 @@ def _pg(group: Group) -> Any:
     return dist.group.WORLD if group.pg is None else group.pg
 
 
+def _wire(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` as every backend takes it, sharing its memory: a complex tensor as its real and imaginary parts
+    (a sum of those is the complex sum), a bool one as bytes (chunks of parameters that keep their own dtype,
+    [Note: parameters of other dtypes] in policy.py)."""
+    if t is None:
+        return None
+    if t.is_complex():
+        return torch.view_as_real(t).view(-1)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False,
                chunk: Optional[int] = None) -> Any:
     """Gather every rank's ``shard`` into ``out`` (rank order). Returns a work handle if async.
@@ -287,6 +300,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: b
     ``chunk``: the index of the chunk gathered, named in errors.
     """
     with label("Elixir::all_gather"):
+        out, shard = _wire(out), _wire(shard)
         if group.world_size == 1:
             out.copy_(shard)
             return _Done() if async_op else None
@@ -306,6 +320,7 @@ def gather_to_first(out: Optional[torch.Tensor], shard: torch.Tensor, group: Gro
     of its own (with its buffers, on rank 0's device) for every pair of ranks that exchange point to
     point. ``collective`` overrides the choice (tests)."""
     with label("Elixir::gather"):
+        out, shard = _wire(out), _wire(shard)
         if group.world_size == 1:
             if shard.data_ptr() != out.data_ptr():
                 out.copy_(shard)
@@ -340,6 +355,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
     ``full``'s dtype; None: a new buffer), which the caller keeps until the reduction is waited for.
     """
     with label("Elixir::reduce_scatter"):
+        out, full, received = _wire(out), _wire(full), _wire(received)
         if group.world_size == 1:
             if out is not full:
                 out.copy_(full)
@@ -400,7 +416,7 @@ def _all_reduce(tensor: torch.Tensor, group: Group, op: Any, name: str) -> torch
         group.next_tag()
         opts = _options(dist.distributed_c10d.AllreduceOptions(), group, async_op=False)
         opts.reduceOp = op
-        work = _pg(group).allreduce([tensor], opts)
+        work = _pg(group).allreduce([_wire(tensor)], opts)
         _issue(work, group, _describe(name, tensor, None), tensor, async_op=False)
     return tensor
 
@@ -486,6 +502,6 @@ def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
         opts = _options(dist.distributed_c10d.BroadcastOptions(), group, async_op=False)
         opts.rootRank = src  # the process group's own methods take ranks of the group
         opts.rootTensor = 0
-        work = _pg(group).broadcast([tensor], opts)
+        work = _pg(group).broadcast([_wire(tensor)], opts)
         _issue(work, group, _describe(f"broadcast from rank {src}", tensor, None), tensor, async_op=False)
     return tensor

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -63,13 +64,16 @@ def check_initialized(module: nn.Module) -> None:
 
 
 def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private: Iterable[str] = (),
-                  full_precision: Iterable[str] = ()) -> tuple[ChunkSpec, ...]:
+                  full_precision: Iterable[str] = (), own_dtypes: Optional[dict[str, torch.dtype]] = None
+                  ) -> tuple[ChunkSpec, ...]:
     """The chunk layout for ``module``: the plan's own, validated, or packed in registration order.
 
     Without an explicit layout, parameters that compute in full precision (see
     ``PrecisionPolicy.keeps_full_precision``) share one private chunk of that dtype, so that the
-    public chunks keep the compute dtype. An explicit layout is run as given: a chunk that holds
-    such a parameter computes in full precision as a whole.
+    public chunks keep the compute dtype, and parameters of other dtypes (``own_dtypes``, [Note:
+    parameters of other dtypes] in policy.py) one private chunk per dtype. An explicit layout is run
+    as given: a chunk that holds a full-precision parameter computes in full precision as a whole, and
+    one that holds a parameter of another dtype must hold only parameters of that dtype.
     """
     check_initialized(module)
     named = list(module.named_parameters())
@@ -77,19 +81,36 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     if unknown:
         raise PlanError(f"private_params names {unknown[:5]} are not parameters of the model; use names from "
                         "model.named_parameters(), e.g. {}".format([n for n, _ in named][:3]))
+    own_dtypes = own_dtypes or {}
     shared = shared_param_names(module) | set(private)
     if plan.chunks:
         _check_plan_matches(plan, named, world_size, shared)
+        _check_one_dtype(plan.chunks, own_dtypes)
         return plan.chunks
-    full = [(n, p.numel()) for n, p in named if n in set(full_precision) and n not in shared]
-    own = {n for n, _ in full}
-    chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | own],
+    groups = [[(n, p.numel()) for n, p in named if n in set(full_precision) and n not in shared | set(own_dtypes)]]
+    for dtype in dict.fromkeys(own_dtypes.values()):
+        groups.append([(n, p.numel()) for n, p in named if own_dtypes.get(n) == dtype])
+    apart = {n for group in groups for n, _ in group}
+    shared -= apart
+    chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | apart],
                                                          world_size)
-    specs = pack_chunks([(n, p.numel()) for n, p in named if n not in own], chunk_numel, world_size, shared)
-    if not full:
-        return specs
-    numel = round_up(chunk_used_numel([n for _, n in full]), world_size)
-    return specs + (ChunkSpec(tuple(n for n, _ in full), numel, private=True),)
+    specs = pack_chunks([(n, p.numel()) for n, p in named if n not in apart], chunk_numel, world_size, shared)
+    for group in groups:
+        if group:
+            numel = round_up(chunk_used_numel([n for _, n in group]), world_size)
+            specs += (ChunkSpec(tuple(n for n, _ in group), numel, private=True),)
+    return specs
+
+
+def _check_one_dtype(specs: tuple[ChunkSpec, ...], own_dtypes: dict[str, torch.dtype]) -> None:
+    """A chunk that holds a parameter of a dtype of its own ([Note: parameters of other dtypes]) holds only that dtype."""
+    for spec in specs:
+        kinds = {own_dtypes.get(n) for n in spec.params}
+        if len(kinds) > 1:
+            kept = {str(k).removeprefix("torch.") for k in kinds if k is not None}
+            raise PlanError(f"chunk {spec.params[:3]}... mixes parameters that keep their own dtype ({sorted(kept)}) "
+                            "with others: a chunk has one dtype, so give the parameters of each such dtype chunks of "
+                            "their own")
 
 
 def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]], world_size: int, shared: set[str]) -> None:
@@ -114,35 +135,40 @@ def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]],
 
 def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, device: torch.device,
                  policy: PrecisionPolicy, full_precision: Iterable[str] = (), values: bool = True,
-                 aliased: bool = False, deferred: Sequence[InitRecord] = ()) -> list[Chunk]:
+                 aliased: bool = False, deferred: Sequence[InitRecord] = (),
+                 own_dtypes: Optional[dict[str, torch.dtype]] = None) -> list[Chunk]:
     """Create every chunk, materialise and shard its parameters, and leave it released.
 
     ``aliased``: the chunks' shards are their gathered blocks ([Note: a world of one] in chunk.py).
     ``deferred``: the recordings of the builds that made meta parameters ([Note: materialisation]).
 
-    A chunk holding a parameter named in ``full_precision`` computes in the master dtype. With
+    A chunk holding a parameter named in ``full_precision`` computes in the master dtype, and one holding
+    parameters of a dtype of their own (``own_dtypes``) computes, trains and reduces in that dtype. With
     ``values=False`` the parameters' values are neither read nor initialised: the chunks start at
     zero and the caller fills the master shards (re-chunking, runtime/replan.py).
     """
     full_precision = set(full_precision)
     _replace_meta_params(module, device)
     params = dict(module.named_parameters())
+    own_dtypes = own_dtypes or {}
     fulls = [bool(full_precision.intersection(spec.params)) for spec in specs]
-    computes = [policy.master_dtype if full else policy.compute_dtype for full in fulls]
+    owns = [own_dtypes.get(spec.params[0]) if spec.params else None for spec in specs]
+    computes = [own or (policy.master_dtype if full else policy.compute_dtype) for full, own in zip(fulls, owns)]
+    masters = [own or policy.master_dtype for own in owns]
     # What offloaded chunks keep in host memory, asked for at once ([Note: pinned memory in slabs]).
-    host = HostArena([request for spec, compute in zip(specs, computes) for request in host_requests(
-        spec, spec.numel // group.world_size, compute, policy.master_dtype).values()], pin=device.type == "cuda")
+    host = HostArena([request for spec, compute, master in zip(specs, computes, masters) for request in host_requests(
+        spec, spec.numel // group.world_size, compute, master).values()], pin=device.type == "cuda")
     chunks = []
-    for index, (spec, full, compute) in enumerate(zip(specs, fulls, computes)):
+    for index, (spec, full, own, compute, master) in enumerate(zip(specs, fulls, owns, computes, masters)):
         members = [params[name] for name in spec.params]
         offsets = slot_offsets([p.numel() for p in members])
         slots = [Slot(n, p, off, p.numel(), p.shape, p.dtype) for n, p, off in zip(spec.params, members, offsets)]
-        reduce = torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype
+        reduce = own or (torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype)
         state_device = device if spec.placement == "device" else torch.device("cpu")
-        chunks.append(Chunk(index, spec, slots, group, device, compute, policy.master_dtype, reduce,
+        chunks.append(Chunk(index, spec, slots, group, device, compute, master, reduce,
                             state_device=state_device, host=host, aliased=aliased))
     if values:
-        _materialize(module, chunks, group, policy.master_dtype, deferred)
+        _materialize(module, chunks, group, deferred)
     else:
         for chunk in chunks:
             chunk.release()
@@ -165,14 +191,13 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
                     mod._parameters[key] = real
 
 
-def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dtype: torch.dtype,
-                 deferred: Sequence[InitRecord]) -> None:
+def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, deferred: Sequence[InitRecord]) -> None:
     where = {id(s.param): (chunk, s) for chunk in chunks for s in chunk.slots}
     staging: dict[int, torch.Tensor] = {}
     initialised: set[int] = set()
     owners = param_owners(module)
     for chunk in chunks:
-        stage = staging.setdefault(chunk.index, _new_stage(chunk, master_dtype))
+        stage = staging.setdefault(chunk.index, _new_stage(chunk))
         for slot in chunk.slots:
             source = getattr(slot.param, "_elixir_meta_source", None)
             record = None if source is None else recording_of(source, deferred)
@@ -181,18 +206,19 @@ def _materialize(module: nn.Module, chunks: list[Chunk], group: Group, master_dt
                 del slot.param._elixir_meta_source
             elif source is not None:
                 for _, mod in owners[id(slot.param)]:
-                    _init_meta_module(mod, where, staging, initialised, master_dtype)
+                    _init_meta_module(mod, where, staging, initialised)
             else:
                 stage[slot.offset:slot.end].copy_(slot.param.detach().reshape(-1))
         _finalize_chunk(chunk, staging.pop(chunk.index), group)
         chunk.release()  # before the next chunk's block is allocated
 
 
-def _new_stage(chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(chunk.numel, dtype=dtype, device=chunk.full.device)
+def _new_stage(chunk: Chunk) -> torch.Tensor:
+    """The whole chunk's values in its master dtype, while they are being put together."""
+    return torch.zeros(chunk.numel, dtype=chunk.master.dtype, device=chunk.full.device)
 
 
-def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: set[int], dtype: torch.dtype) -> None:
+def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: set[int]) -> None:
     """Point ``mod``'s direct parameters at staging views and run its ``reset_parameters``."""
     if id(mod) in initialised:
         return
@@ -206,7 +232,7 @@ def _init_meta_module(mod: nn.Module, where: dict, staging: dict, initialised: s
         if p is None:
             continue
         chunk, slot = where[id(p)]
-        stage = staging.setdefault(chunk.index, _new_stage(chunk, dtype))
+        stage = staging.setdefault(chunk.index, _new_stage(chunk))
         p.data = stage[slot.offset:slot.end].view(slot.shape)
     for key, buf in mod._buffers.items():
         if buf is not None and buf.is_meta:

@@ -214,6 +214,20 @@ class OffloadEngine:
             if extra:
                 self._relayout(self.layout_fields + tuple(extra.items()))
 
+    def reattach(self, optimizer: Optimizer, view_index: dict[int, tuple[Chunk, Slot]]) -> None:
+        """``optimizer`` has new param groups (``add_param_group``): make its shadows again over all of them.
+        Its state stays where it is, in the user's optimizer, which the shadows' state aliases."""
+        self.settle()
+        mine = [key for key in self.shadows if key[0] == id(optimizer)]
+        for key in mine:
+            shadow = self.shadows.pop(key)
+            gone = {id(t) for pair in shadow.pairs for t in pair}
+            self.members[key[1]] = [(slot, t) for slot, t in self.members[key[1]] if id(t) not in gone]
+            self.user_views[key[1]] = [(slot, t) for slot, t in self.user_views[key[1]] if id(t) not in gone]
+        self.owner = {k: o for k, o in self.owner.items() if o is not optimizer}
+        self.optimizers = [o for o in self.optimizers if o is not optimizer]
+        self.attach(optimizer, view_index)
+
     def launch(self, optimizer: Optimizer) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Hand ``optimizer``'s offloaded chunks to the worker; hide their gradients from its own step.
 

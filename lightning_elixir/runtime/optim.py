@@ -102,6 +102,11 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
         raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), or, if each element's "
                         "update reads only that element and scalars (as Lion's does), declare the class with "
                         "@lightning_elixir.elementwise_optimizer")
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        log.warning("%s has step hooks (register_step_pre_hook / register_step_post_hook): under the Elixir strategy "
+                    "they see this rank's flat shard views in its param_groups, not the parameters, so shapes, "
+                    "norms and rows there are this shard's. Act on the module's parameters (in "
+                    "on_before_optimizer_step, or inside trainer.strategy.gathered_params()) instead.", cls.__name__)
     initial = None
     if any(optimizer.state.values()):
         if any(_stepped(state) for state in optimizer.state.values()):
@@ -134,11 +139,9 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         views = [runtime.view_param(p) for p in params]
-        if any(runtime.where(p)[0].offloaded for p in params):
-            raise ValueError("add_param_group: some of these parameters have their optimizer state offloaded by "
-                             "the plan, which is set up when the optimizer is built; give the optimizer every "
-                             "parameter in configure_optimizers (frozen ones are skipped until they train)")
         add({**param_group, "params": views})
+        if any(runtime.where(p)[0].offloaded for p in params):  # their updates run on the host, as the rest's
+            runtime.offload.reattach(optimizer, runtime.view_index())
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 

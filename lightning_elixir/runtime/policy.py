@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Optional
 
@@ -54,11 +55,31 @@ class PrecisionPolicy:
         return any(b is not None and b.is_floating_point() and b.dtype != self.compute_dtype
                    for b in module._buffers.values())
 
+    def own_dtype_params(self, module: nn.Module) -> dict[str, torch.dtype]:
+        """Parameters that keep a dtype of their own, by name.
+
+        [Note: parameters of other dtypes]
+        The policy converts fp32 parameters (and those already in its compute or master dtype): they
+        compute in the compute dtype and train in the master dtype. Any other parameter keeps its dtype,
+        as it does under DDP: an integer index table or a bf16 lookup table that stays frozen, a float64
+        layer, a complex one. Such a parameter computes, trains and is reduced in its own dtype, in a chunk
+        of that dtype only: packed by the runtime into one private chunk per dtype (the search gives each
+        a private chunk of its own); a layout given by the user may hold it in any chunk whose parameters
+        all have its dtype."""
+        return own_dtype_params(module, (self.compute_dtype, self.master_dtype))
+
     def full_precision_params(self, module: nn.Module) -> set[str]:
         """Names of the parameters that compute in the master dtype (see keeps_full_precision)."""
         ids = {id(p) for m in module.modules() if self.keeps_full_precision(m)
                for p in m._parameters.values() if p is not None}
         return {name for name, p in module.named_parameters() if id(p) in ids}
+
+
+def own_dtype_params(module: nn.Module, converted: Iterable[torch.dtype]) -> dict[str, torch.dtype]:
+    """The parameters of ``module`` that keep their own dtype, by name: those neither fp32 nor in ``converted``
+    ([Note: parameters of other dtypes])."""
+    standard = {torch.float32, *converted}
+    return {name: p.dtype for name, p in module.named_parameters() if p.dtype not in standard}
 
 
 PRECISION_FLAGS = MappingProxyType({

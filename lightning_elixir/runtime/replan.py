@@ -72,7 +72,7 @@ def switch_plan(runtime: ElixirRuntime, plan: ElixirPlan, grads: bool = False, *
     runtime.release_all()
     runtime.offload.settle()
     specs = resolve_specs(module, plan, group.world_size, settings["private_params"],
-                          runtime.policy.full_precision_params(module))
+                          runtime.policy.full_precision_params(module), runtime.policy.own_dtype_params(module))
     names = {id(slot.param): slot.name for chunk in runtime.chunks for slot in chunk.slots}
     numels = {slot.name: slot.numel for chunk in runtime.chunks for slot in chunk.slots}
     ranges = new_ranges(specs, numels, group.rank, group.world_size)

@@ -109,8 +109,9 @@ class ElixirRuntime:
             policy = PrecisionPolicy(compute, master_dtype or compute)
         self.policy = dataclasses.replace(policy, reduce_in_fp32=policy.reduce_in_fp32 and self.plan.reduce_in_fp32)
         full_precision = self.policy.full_precision_params(module)
+        own_dtypes = self.policy.own_dtype_params(module)  # [Note: parameters of other dtypes] in policy.py
         self.private_params = tuple(private_params)
-        specs = resolve_specs(module, self.plan, self.group.world_size, self.private_params, full_precision)
+        specs = resolve_specs(module, self.plan, self.group.world_size, self.private_params, full_precision, own_dtypes)
         check_nvme_path_given(specs, nvme_path)  # before any work
         capacity = _cache_blocks(self.plan, specs, module)
         n_public = sum(not spec.private for spec in specs)
@@ -121,7 +122,8 @@ class ElixirRuntime:
             capacity = n_public  # also at one rank with fewer cache blocks: the shards are the chunks
         materialize_buffers(module, self.device, deferred)
         chunks = build_chunks(module, specs, self.group, self.device, self.policy, full_precision, values,
-                              aliased=self.resident and self.group.world_size == 1, deferred=deferred)
+                              aliased=self.resident and self.group.world_size == 1, deferred=deferred,
+                              own_dtypes=own_dtypes)
         self.clock = PhaseClock()
         """Host time by phase of the step (runtime/phases.py), shared by every chunk."""
         self.grad_buffers = GradBuffers()

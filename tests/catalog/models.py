@@ -537,6 +537,79 @@ class WrittenInForward(Classifier):
         self.net = nn.Sequential(first(8, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+class FrozenIndexTable(Classifier):
+    """A frozen integer parameter (a permutation of the features) used as an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.perm = nn.Parameter(torch.randperm(8), requires_grad=False)
+        self.net = mlp(8, 16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x[:, self.perm])
+
+
+class FrozenBf16Table(Classifier):
+    """A frozen bf16 parameter used in its own dtype in an fp32 model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.table = nn.Parameter((torch.randn(16, 16) * 0.2).to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((torch.tanh(self.inp(x)).to(self.table.dtype) @ self.table).float())
+
+
+class Float64Layer(Classifier):
+    """A trainable float64 layer in an fp32 model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16).double()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.inp(x.double())).float())
+
+
+class ComplexLayer(Classifier):
+    """A trainable complex parameter (Adam on its real and imaginary parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16, dtype=torch.cfloat) * 0.3)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x.to(torch.cfloat) @ self.w).abs())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class HeadThenBackbone(Classifier):
+    """The optimizer starts with the head only; ``AddBackboneGroup`` gives it the backbone at epoch 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.head.parameters(), lr=1e-2)
+
+
+class AddBackboneGroup(Callback):
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 5e-3})
+
+
 class WeightOutsideModule(Classifier):
     """``self.proj`` is never called: the parent reads its weight and bias in its own forward."""
 
@@ -2331,6 +2404,12 @@ CASES: list[Case] = [
     Case("weight_decayed_by_hand_in_training_step", DecayedInStep, cls_data),
     Case("weight_clamped_in_its_forward", lambda: WrittenInForward(ClampedLinear), cls_data),
     Case("weight_masked_in_its_forward", lambda: WrittenInForward(MaskedLinear), cls_data),
+    Case("frozen_integer_index_parameter", FrozenIndexTable, cls_data),
+    Case("frozen_bf16_parameter_in_its_dtype", FrozenBf16Table, cls_data),
+    Case("float64_layer", Float64Layer, cls_data),
+    Case("complex_parameter", ComplexLayer, cls_data),
+    Case("param_group_added_at_epoch_1", HeadThenBackbone, cls_data, trainer=dict(max_epochs=2),
+         run=fit_with(AddBackboneGroup)),
     Case("projected_task_grads_from_autograd_grad", ProjectedTaskGrads, cls_data),
     Case("data_rebound_in_gathered_params", SequentialMLP, cls_data, run=fit_with(ReprojectData)),
     Case("clip_norm_of_a_head_only_optimizer", HeadOnlyOptimizer, cls_data, trainer=dict(gradient_clip_val=0.05)),
