@@ -7,8 +7,11 @@ sharded format in ``runtime/sharded.py``.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Optional
+
+import torch
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -111,6 +114,7 @@ def save_sharded_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath:
                          "state_dict_type='full' for remote checkpoint paths")
     parent = os.path.dirname(os.path.abspath(path.removeprefix("file://")))
     os.makedirs(parent, exist_ok=True)
+    _check_unedited(checkpoint)
     tmp = strategy.broadcast(os.path.join(parent, temp_name()))
     extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     save_sharded(strategy.runtime, strategy.optimizers, tmp, extra)
@@ -118,3 +122,100 @@ def save_sharded_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath:
     if strategy.is_global_zero:
         replace_dir(tmp, path.removeprefix("file://"))
     strategy.barrier()
+
+
+def _check_unedited(checkpoint: dict[str, Any]) -> None:
+    """A sharded save writes the model and optimizer state from each rank's shards, under the model's own
+    names, and gives ``on_save_checkpoint`` hooks them empty: refuse what the hooks put there rather than
+    drop it (a weight-averaging callback's layout is the strategy's own, [Note: sharded weight averaging])."""
+    from lightning_elixir.runtime.sharded import AVERAGE_IN_STATE_DICT
+
+    if AVERAGE_IN_STATE_DICT in checkpoint:
+        return
+    if checkpoint.get("state_dict") or any(checkpoint.get("optimizer_states") or ()):
+        raise ValueError("on_save_checkpoint put entries in checkpoint['state_dict'] or ['optimizer_states'], which "
+                         "state_dict_type='sharded' writes from each rank's shards under the model's own names (the "
+                         "hooks see them empty): edit the state when loading (on_load_checkpoint sees every key), "
+                         "or save with state_dict_type='full'")
+
+
+class StoredInShards:
+    """A model entry of a sharded checkpoint, in ``checkpoint["state_dict"]`` while Lightning's
+    ``on_load_checkpoint`` hooks run ([Note: loading a sharded checkpoint after the hooks]): its shape
+    and dtype, no values. Replace it with a tensor to load that instead, or delete it to keep the
+    model's own value (with ``strict_loading=False``), as with a full checkpoint."""
+
+    __slots__ = ("key", "shape", "dtype")
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: Any) -> None:
+        self.key, self.shape, self.dtype = key, torch.Size(shape), dtype
+
+    def size(self, dim: Optional[int] = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def __repr__(self) -> str:
+        return f"StoredInShards({self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class OptimizerStateInShards(dict):
+    """``checkpoint["optimizer_states"][k]["state"]`` of a sharded checkpoint while the hooks run: empty, as
+    the per-element state is read from the shards after them (into this rank's views)."""
+
+
+def sharded_checkpoint_for_hooks(meta: dict[str, Any], stored: Any, fitting: bool) -> dict[str, Any]:
+    """What Lightning's hooks see of a sharded checkpoint before it is loaded: every ``state_dict`` key
+    with its shape and dtype, and each optimizer's param groups (hyperparameters they may change)."""
+    shapes, entries = meta["shapes"], stored.state_dict_metadata
+    state_dict: dict[str, Any] = {}
+    for key, name in meta["keys"]:
+        entry = entries.get(f"model.{name or key}")
+        if entry is None:  # an object (get_extra_state), stored in the meta file
+            continue
+        shape = shapes.get(name, tuple(getattr(entry, "size", ())))
+        state_dict[key] = StoredInShards(key, shape, entry.properties.dtype)
+    optimizer_states = [{"state": OptimizerStateInShards(), "param_groups": copy.deepcopy(o["param_groups"])}
+                        for o in meta["optimizers"]] if fitting else []
+    return {**meta["extra"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+
+
+def load_sharded_model(runtime: Any, checkpoint: dict[str, Any], path: str, strict: bool) -> None:
+    """Load the model from a sharded checkpoint as ``checkpoint["state_dict"]`` stands after Lightning's hooks.
+
+    [Note: loading a sharded checkpoint after the hooks]
+    A full checkpoint's ``on_load_checkpoint`` hooks may change ``checkpoint["state_dict"]`` before the
+    model loads it (a new head's weights put in, a head of another shape deleted for ``strict_loading=False``)
+    and the optimizers' ``param_groups`` before they load them (a new learning rate). A sharded checkpoint
+    gives the hooks the same dict (``sharded_checkpoint_for_hooks``): every key, its value a ``StoredInShards``
+    (shape and dtype), and each optimizer's param groups, and reads the shards only after them: the keys
+    still stored load from the shards, tensors the hooks put in load as from a full file, keys they deleted
+    keep the model's own values (or raise under strict loading, as ``load_state_dict`` does), and the
+    optimizers' state loads with the param groups as the hooks left them. Replacing an optimizer's per-element
+    ``state`` itself is refused: it is read from the shards into this rank's views.
+    """
+    from lightning_elixir.runtime.sharded import load_sharded
+    from lightning_elixir.runtime.state_dict import StateDictMismatchError, load_full_state_dict
+
+    state_dict = checkpoint["state_dict"]
+    model_keys = set(runtime.module.state_dict(keep_vars=True))
+    missing, unexpected = sorted(model_keys - set(state_dict)), sorted(set(state_dict) - model_keys)
+    if strict and (missing or unexpected):
+        raise StateDictMismatchError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected "
+                                     f"keys {unexpected[:5]} (load with strict=False to load what matches)")
+    stored = {k for k, v in state_dict.items() if isinstance(v, StoredInShards) and k in model_keys}
+    load_sharded(runtime, [], path, only=stored)
+    given = {k: v for k, v in state_dict.items() if not isinstance(v, StoredInShards)}
+    if given:
+        load_full_state_dict(runtime, given, strict=False)
+
+
+def load_sharded_optimizers(runtime: Any, optimizers: list[Any], states: list[dict[str, Any]], path: str) -> None:
+    """Load the optimizers' state from a sharded checkpoint with the param groups the hooks left
+    ([Note: loading a sharded checkpoint after the hooks])."""
+    from lightning_elixir.runtime.sharded import load_sharded
+
+    for k, state in enumerate(states):
+        if not isinstance(state.get("state"), OptimizerStateInShards) or state["state"]:
+            raise ValueError(f"on_load_checkpoint replaced checkpoint['optimizer_states'][{k}]['state'], which a "
+                             "sharded checkpoint reads from its shards into this rank's views: change the param "
+                             "groups' hyperparameters there, or save with state_dict_type='full' to edit the state")
+    load_sharded(runtime, optimizers, path, model=False, param_groups=[state["param_groups"] for state in states])

@@ -40,7 +40,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_elixir.averaging import install_averages, remove_averages
-from lightning_elixir.checkpointing import CheckpointSaver, save_full_checkpoint, save_sharded_checkpoint
+from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model, load_sharded_optimizers,
+                                            save_full_checkpoint, save_sharded_checkpoint,
+                                            sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
@@ -57,7 +59,7 @@ from lightning_elixir.runtime import emulated
 from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
-from lightning_elixir.runtime.sharded import load_sharded
+from lightning_elixir.runtime.sharded import read_checkpoint
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
@@ -67,8 +69,8 @@ from lightning_elixir.toggling import install_toggling, remove_toggling
 
 log = logging.getLogger(__name__)
 
-_SHARDED_LOADED = "_elixir_sharded_loaded"
-"""Marks a checkpoint dict whose model and optimizer state ``load_checkpoint`` already loaded from shards."""
+_SHARDED_DIR = "_elixir_sharded_dir"
+"""A checkpoint dict read from a sharded checkpoint: the directory whose shards load after the hooks."""
 
 
 def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:
@@ -777,8 +779,9 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.runtime is not None
-        if checkpoint.get(_SHARDED_LOADED):
-            return  # load_checkpoint loaded the shards
+        if checkpoint.get(_SHARDED_DIR):
+            load_sharded_model(self.runtime, checkpoint, checkpoint[_SHARDED_DIR], strict)
+            return
         sd.load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
 
     @override
@@ -809,12 +812,13 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.runtime is not None
-        if checkpoint.get(_SHARDED_LOADED):
-            return  # load_checkpoint loaded the shards
         states = checkpoint.get("optimizer_states", [])
         if len(states) != len(self.optimizers):
             raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(self.optimizers)} optimizers "
                              "are configured")
+        if checkpoint.get(_SHARDED_DIR):
+            load_sharded_optimizers(self.runtime, self.optimizers, states, checkpoint[_SHARDED_DIR])
+            return
         for optimizer, state in zip(self.optimizers, states):
             if optimizer.param_groups:  # Lightning's stand-in for "no optimizer" has nothing to load
                 sd.load_full_optimizer_state_dict(self.runtime, optimizer, state)
@@ -842,8 +846,8 @@ class ElixirStrategy(ParallelStrategy):
         # a fit) the strategy still holds the fit's optimizers, whose views belong to that fit's chunks.
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        extra = load_sharded(self.runtime, self.optimizers if fitting else [], path)
-        return {**extra, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
+        meta, stored = read_checkpoint(path)  # checked whole before any hook runs; loaded after them
+        return {**sharded_checkpoint_for_hooks(meta, stored, fitting), _SHARDED_DIR: path}
 
     @override
     def on_exception(self, exception: BaseException) -> None:

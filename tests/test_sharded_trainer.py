@@ -288,3 +288,101 @@ def test_a_removal_interrupted_half_way_leaves_nothing_that_looks_complete(tmp_p
         monkeypatch.setattr(os, "unlink", unlink)
         if (path / ".metadata").exists():
             assert sorted(os.listdir(path)) == saved, f"stopped before deleting file {stop_at} of {len(saved)}"
+
+
+class _Head(L.LightningModule):
+    """A two-layer classifier whose ``on_load_checkpoint`` edits the checkpoint as fine-tuning does."""
+
+    def __init__(self, classes: int = 4, edit: str = "") -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
+        self.edit = edit
+        self.seen: dict = {}
+        self.strict_loading = edit != "new_head"
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        state = checkpoint["state_dict"]
+        self.seen = {k: tuple(v.shape) for k, v in state.items()}
+        if self.edit == "zero_head":  # a head's weights put in, a smaller learning rate
+            state["net.2.weight"] = torch.zeros(4, 16)
+            for group in checkpoint["optimizer_states"][0]["param_groups"]:
+                group["lr"] = 1e-3
+        if self.edit == "new_head":  # a head of another shape: its saved weights dropped
+            del state["net.2.weight"], state["net.2.bias"]
+
+
+class _AtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        with trainer.strategy.gathered_params():
+            pl_module.at_start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        pl_module.lr_at_start = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _head_data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _head_trainer(root: Path, fmt: str, steps: int = 2) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, strategy=ElixirStrategy(plan="zero3", state_dict_type=fmt),
+                     max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=root, callbacks=[ModelCheckpoint(dirpath=root / fmt, save_last=True),
+                                                       _AtStart()])
+
+
+def test_on_load_checkpoint_edits_a_sharded_checkpoint_as_a_full_one(tmp_path):
+    """The hooks see every key (shapes included) and their edits take effect in both formats alike: a head's
+    weights and a learning rate replaced when resuming; a head of another shape left out of a model load."""
+    out = {}
+    for fmt in ("full", "sharded"):
+        L.seed_everything(0)
+        _head_trainer(tmp_path, fmt).fit(_Head(), _head_data())
+        last = str(tmp_path / fmt / "last.ckpt")
+        L.seed_everything(1)
+        resumed = _Head(4, "zero_head")
+        _head_trainer(tmp_path, fmt, steps=3).fit(resumed, _head_data(), ckpt_path=last)
+        L.seed_everything(1)
+        other = _Head(6, "new_head")
+        _head_trainer(tmp_path, fmt).validate(other, _head_data(), ckpt_path=last, verbose=False)
+        out[fmt] = resumed, other
+    (full, full_other), (sharded, sharded_other) = out["full"], out["sharded"]
+    assert sharded.seen == full.seen and full.seen["net.2.weight"] == (4, 16)
+    assert sharded.lr_at_start == full.lr_at_start == 1e-3
+    for key, value in full.at_start.items():
+        torch.testing.assert_close(sharded.at_start[key], value, msg=key)
+    assert not sharded.at_start["net.2.weight"].any()
+    for key, value in full_other.state_dict().items():
+        torch.testing.assert_close(sharded_other.state_dict()[key], value, msg=key)
+    assert sharded_other.net[2].weight.shape == (6, 16)
+
+
+def test_replacing_an_optimizer_state_of_a_sharded_checkpoint_is_refused(tmp_path):
+    class Resets(_Head):
+        def on_load_checkpoint(self, checkpoint) -> None:
+            checkpoint["optimizer_states"][0]["state"] = {}
+
+    L.seed_everything(0)
+    _head_trainer(tmp_path, "sharded").fit(_Head(), _head_data())
+    with pytest.raises(ValueError, match=r"replaced checkpoint\['optimizer_states'\]\[0\]\['state'\]"):
+        _head_trainer(tmp_path, "sharded", steps=3).fit(Resets(), _head_data(),
+                                                        ckpt_path=str(tmp_path / "sharded" / "last.ckpt"))
+
+
+def test_entries_put_in_a_sharded_save_are_refused_not_dropped(tmp_path):
+    class Renames(_Head):
+        def on_save_checkpoint(self, checkpoint) -> None:
+            checkpoint["state_dict"]["renamed.weight"] = torch.zeros(1)
+
+    L.seed_everything(0)
+    with pytest.raises(ValueError, match="edit the state when loading"):
+        _head_trainer(tmp_path, "sharded").fit(Renames(), _head_data())

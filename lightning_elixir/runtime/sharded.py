@@ -253,17 +253,27 @@ def _check_files(path: str, stored: Metadata) -> None:
         raise ShardedCheckpointError(f"{path}: {', '.join(short)} is shorter than its index says (truncated copy?)")
 
 
-def _check_model(runtime, meta: dict[str, Any]) -> None:
-    """The model has the checkpoint's state-dict keys and parameter shapes."""
+def _check_model(runtime, meta: dict[str, Any], only: Optional[set[str]] = None) -> None:
+    """The model has the checkpoint's state-dict keys and parameter shapes (``only``: those of these keys,
+    which the checkpoint has)."""
     keys, saved = set(runtime.module.state_dict(keep_vars=True)), {k for k, _ in meta["keys"]}
     missing, unexpected = sorted(keys - saved), sorted(saved - keys)
+    if only is not None:
+        missing, unexpected = sorted(only - saved), []
     if missing or unexpected:
         raise ShardedCheckpointError(f"checkpoint does not match the model: missing keys {missing[:5]}, "
                                      f"unexpected keys {unexpected[:5]}")
-    shapes = {s.name: tuple(s.shape) for c in runtime.chunks for s in c.slots}
+    names = stored_names(meta, only)
+    shapes = {s.name: tuple(s.shape) for c in runtime.chunks for s in c.slots if s.name in names}
     wrong = [f"{n}: {meta['shapes'].get(n)} != {s}" for n, s in shapes.items() if meta["shapes"].get(n) != s]
     if wrong:
         raise ShardedCheckpointError(f"checkpoint shapes differ from the model's: {wrong[:5]}")
+
+
+def stored_names(meta: dict[str, Any], keys: Optional[set[str]] = None) -> set[str]:
+    """The names the checkpoint stores the state-dict ``keys`` under (all of them when None): a parameter's
+    first name (tied ones are stored once), a buffer's key."""
+    return {stored or key for key, stored in meta["keys"] if keys is None or key in keys}
 
 
 def _check_optimizers(optimizers: Sequence[Optimizer], entries: list[list], meta: dict[str, Any]) -> None:
@@ -280,7 +290,9 @@ def _check_optimizers(optimizers: Sequence[Optimizer], entries: list[list], meta
 
 # ---- load -------------------------------------------------------------------------------------------
 
-def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike) -> dict[str, Any]:
+def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, *, model: bool = True,
+                 only: Optional[set[str]] = None, param_groups: Optional[Sequence[Optional[list]]] = None
+                 ) -> dict[str, Any]:
     """Load a sharded checkpoint into ``runtime`` and ``optimizers``; every rank calls it.
 
     The saving run may have had another world size, chunk size, cache or placement. The checkpoint
@@ -292,39 +304,51 @@ def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike) -> di
         optimizers: the optimizers, as for the saving run (set up by ``shard_optimizer``), or none
             to load the model only.
         path: the checkpoint directory.
+        model: load the model (its masters, buffers, companions and extra state); False: the optimizers only.
+        only: the state-dict keys of the model to load (None: all; a Lightning hook may have removed some).
+        param_groups: per optimizer, the param groups to load with its state instead of the saved ones
+            (a Lightning hook may have changed their hyperparameters), or None for the saved ones.
 
     Returns:
         The ``extra`` dict given to ``save_sharded``.
     """
     path = os.fspath(path)
     meta, stored = read_checkpoint(path)
-    _check_model(runtime, meta)
+    if model:
+        _check_model(runtime, meta, only)
     entries = [optimizer_views(runtime, optimizer) for optimizer in optimizers]
     _check_optimizers(optimizers, entries, meta)
     runtime.offload.settle()
     runtime.release_all()
-    targets, staged = _model_targets(runtime)
-    targets.update(_companion_targets(runtime, stored))
+    targets, staged = _model_targets(runtime, stored_names(meta, only)) if model else ({}, {})
+    if model:
+        targets.update(_companion_targets(runtime, stored))
     state_targets = [_state_targets(runtime, views, saved, stored, k)  # zip: none when no optimizers are given
                      for k, (views, saved) in enumerate(zip(entries, meta["optimizers"]))]
     for per_optimizer in state_targets:
         targets.update({name: target for name, _, _, _, target in per_optimizer})
-    with _quiet_dcp():
-        dcp.load(targets, storage_reader=FileSystemReader(path), process_group=runtime.group.pg,
-                 no_dist=not _distributed())
-    for optimizer, saved, per_optimizer in zip(optimizers, meta["optimizers"], state_targets):
-        _load_optimizer(optimizer, saved, per_optimizer)
+    if targets:
+        with _quiet_dcp():
+            dcp.load(targets, storage_reader=FileSystemReader(path), process_group=runtime.group.pg,
+                     no_dist=not _distributed())
+    groups = list(param_groups) if param_groups is not None else [None] * len(optimizers)
+    for optimizer, saved, per_optimizer, chosen in zip(optimizers, meta["optimizers"], state_targets, groups):
+        _load_optimizer(optimizer, saved, per_optimizer, chosen)
     _finish_chunks(runtime, staged)
-    _load_objects(runtime, meta["objects"])
+    if model:
+        _load_objects(runtime, {k: v for k, v in meta["objects"].items() if only is None or k in only})
     return meta["extra"]
 
 
-def _model_targets(runtime) -> tuple[dict[str, Any], dict[int, list[tuple[Slot, torch.Tensor]]]]:
-    """Where DCP reads each parameter piece: the master itself, or (NVMe) a staging tensor; and buffers."""
+def _model_targets(runtime, names: set[str]) -> tuple[dict[str, Any], dict[int, list[tuple[Slot, torch.Tensor]]]]:
+    """Where DCP reads each piece of the parameters and buffers stored as ``names``: the master itself, or
+    (NVMe) a staging tensor; a buffer whole."""
     targets: dict[str, Any] = {}
     staged: dict[int, list[tuple[Slot, torch.Tensor]]] = {}
     for chunk in runtime.chunks:
         for slot in chunk.slots:
+            if slot.name not in names:
+                continue
             if _is_nvme(chunk):  # the master is paged in only around its use
                 begin, end = chunk.shard_range(slot)
                 local = torch.empty(end - begin, dtype=chunk.master.dtype)
@@ -332,7 +356,7 @@ def _model_targets(runtime) -> tuple[dict[str, Any], dict[int, list[tuple[Slot, 
             else:
                 local = _own_piece(chunk, slot, chunk.master)
             targets[f"model.{slot.name}"] = _flat(runtime, chunk, slot, local)
-    targets.update({f"model.{k}": v.detach() for k, v in _buffers(runtime).items()})
+    targets.update({f"model.{k}": v.detach() for k, v in _buffers(runtime).items() if k in names})
     return targets, staged
 
 
@@ -362,12 +386,13 @@ def _state_targets(runtime, views: list, saved: dict, stored: Metadata, k: int) 
     return out
 
 
-def _load_optimizer(optimizer: Optimizer, saved: dict, loaded: list) -> None:
+def _load_optimizer(optimizer: Optimizer, saved: dict, loaded: list, param_groups: Optional[list] = None) -> None:
     """Give the optimizer its loaded state through ``load_state_dict``, as a state dict of shard views."""
     state = {i: {k: _cpu_copy(v) for k, v in values.items()} for i, values in saved["values"].items()}
     for _, i, key, local, _ in loaded:
         state.setdefault(i, {})[key] = local
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    groups = saved["param_groups"] if param_groups is None else param_groups
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _finish_chunks(runtime, staged: dict[int, list[tuple[Slot, torch.Tensor]]]) -> None:
