@@ -42,8 +42,8 @@ from lightning_elixir.runtime.table import ChunkTable
 
 log = logging.getLogger(__name__)
 
-_HOW = ("read it inside `with trainer.strategy.gathered_params():` (entered on every rank; ElixirRuntime.gathered() "
-        "without the Trainer), or after fit, when the module has its full parameters back")
+_HOW = ("read (or write) it inside `with trainer.strategy.gathered_params():` (entered on every rank; "
+        "ElixirRuntime.gathered() without the Trainer), or after fit, when the module has its full parameters back")
 
 
 def _called_from_module_zero_grad() -> bool:
@@ -179,7 +179,7 @@ class AccessGuard:
                                f"{slot.name!r} of shape {tuple(slot.shape)}")
         if not self.in_region():
             raise OutsideStepError(f"the gradient of {slot.name!r} is sharded over the ranks outside the training step "
-                                   f"(reduce-scattered into shards); assign it {_HOW.removeprefix('read it ')}")
+                                   f"(reduce-scattered into shards); assign it {_HOW.removeprefix('read (or write) it ')}")
         self._own_grad(param)  # a backward no hook reported: its gradients go into the shards first
         if not self.grads.valid(chunk):
             self.grads.start_assigned(chunk)
