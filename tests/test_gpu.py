@@ -151,3 +151,46 @@ def test_cuda_timeline_matches_the_prediction_and_sees_activations():
     measured = recorder.timeline
     assert measured.labels == predicted.labels and measured.differences(predicted) == ()
     assert measured["activations"] is not None and max(measured["activations"]) > 0
+
+
+class _OwnDtypes(torch.nn.Module):
+    """A frozen integer index table, a frozen bf16 table and a float64 layer beside fp32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.perm = torch.nn.Parameter(torch.randperm(16), requires_grad=False)
+        self.table = torch.nn.Parameter((torch.randn(32, 32) * 0.2).to(torch.bfloat16), requires_grad=False)
+        self.inp = torch.nn.Linear(16, 32)
+        self.wide = torch.nn.Linear(32, 32).double()
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x[:, self.perm]))
+        h = (h.to(torch.bfloat16) @ self.table).float()
+        return self.head(torch.tanh(self.wide(h.double())).float())
+
+
+@pytest.mark.parametrize("placement", ["device", "cpu"])
+def test_cuda_parameters_of_their_own_dtype_train_as_plain_training(placement):
+    """[Note: parameters of other dtypes]: each dtype in chunks of its own, on the GPU and offloaded."""
+    torch.manual_seed(0)
+    ref = _OwnDtypes().cuda()
+    model = copy.deepcopy(ref)
+    plan = ElixirPlan(chunk_numel=4096)
+    runtime = ElixirRuntime(model, plan if placement == "device" else on_host(model, plan), device="cuda")
+    assert model.perm.dtype == torch.int64 and model.wide.weight.dtype == torch.float64
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).cuda()
+        y = torch.randint(4, (8,), generator=torch.Generator().manual_seed(step)).cuda()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            F.cross_entropy(m(x), y).backward()
+            optimizer_step(runtime, o) if m is model else o.step()
+            o.zero_grad()
+    from lightning_elixir.runtime.state_dict import full_state_dict
+
+    state = full_state_dict(runtime)
+    for key, value in ref.state_dict().items():
+        assert state[key].dtype == value.dtype, key
+        torch.testing.assert_close(state[key].cuda(), value, rtol=1e-5, atol=1e-6, msg=key)

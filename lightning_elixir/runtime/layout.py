@@ -34,7 +34,7 @@ from lightning_elixir.runtime.chunk import Chunk, Slot, host_requests
 from lightning_elixir.runtime.deferred import InitRecord, recording_of
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.hostmem import HostArena
-from lightning_elixir.runtime.policy import PrecisionPolicy
+from lightning_elixir.runtime.policy import PrecisionPolicy, own_dtype_params
 
 def param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     """For each parameter (by id), every (module name, module) that holds it directly."""
@@ -81,7 +81,8 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     if unknown:
         raise PlanError(f"private_params names {unknown[:5]} are not parameters of the model; use names from "
                         "model.named_parameters(), e.g. {}".format([n for n, _ in named][:3]))
-    own_dtypes = own_dtypes or {}
+    if own_dtypes is None:  # as under a policy that converts nothing but fp32 (32-true)
+        own_dtypes = own_dtype_params(module, ())
     shared = shared_param_names(module) | set(private)
     if plan.chunks:
         _check_plan_matches(plan, named, world_size, shared)
