@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_elixir.profile.types import ProfileError
+
 aten = torch.ops.aten
 
 
@@ -66,7 +68,17 @@ class AssumedValues(TorchDispatchMode):
     and unknown booleans read True. The profile traces a step that way too when the first trace
     had to assume anything, to find modules whose calls depend on tensor values ([Note:
     value-dependent module calls] in model.py).
+
+    Values are also known from constant fills (``torch.ones``, ``torch.full(..., flag)``, ``fill_``),
+    so a loop that ends on them ends in the trace as in the run: text generation until a maximum
+    length, whose stopping criterion fills a mask with ``cur_len >= max_length``. A loop that ends
+    only on values nobody knows (until every sequence produced an end token) would not: after
+    ``max_ops`` operators the trace gives up with a ``ProfileError``, and planning falls back as for
+    any step it cannot trace.
     """
+
+    max_ops = 1_000_000
+    """Operators one traced step may run (a training step of a large model runs tens of thousands)."""
 
     def __init__(self, fake_mode: FakeTensorMode, opposite: bool = False) -> None:
         super().__init__()
@@ -75,9 +87,15 @@ class AssumedValues(TorchDispatchMode):
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the value of all its elements
         self.assumed = False
         """Whether any answer depended on an assumption (a read or shape nobody knew)."""
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
         kwargs = kwargs or {}
+        self.ops += 1
+        if self.ops > self.max_ops:
+            raise ProfileError(f"the step ran more than {self.max_ops:,} operators on fake tensors without finishing: "
+                               "a loop that ends on values the trace cannot know (generation until every sequence "
+                               "has ended, say) does not end there")
         if func._schema.is_mutable:
             args, kwargs = tree_map_only(torch.Tensor, self._fake_if_real, (args, kwargs))
             for t in tree_leaves((args, kwargs)):  # written in place: what was known may no longer hold
@@ -323,6 +341,9 @@ _SAME_VALUE = {  # every element still has the input's value (possibly cast to t
     aten.select, aten.slice, aten.permute, aten.t, aten.transpose, aten._to_copy, aten.lift_fresh,
     aten.lift_fresh_copy, aten.contiguous, aten.flatten, aten.index, aten.masked_select,
 }
+_CONSTANT = {aten.ones: 1, aten.ones_like: 1, aten.new_ones: 1, aten.zeros: 0, aten.zeros_like: 0, aten.new_zeros: 0}
+_FILLS = {aten.full: 1, aten.full_like: 1, aten.new_full: 2, aten.fill: 1, aten.fill_: 1, aten.scalar_tensor: 0}
+"""Factories and fills by the position of their fill value."""
 _NEGATE = {aten.logical_not, aten.bitwise_not}
 _COMPARE = {aten.eq: operator.eq, aten.ne: operator.ne, aten.lt: operator.lt, aten.le: operator.le,
             aten.gt: operator.gt, aten.ge: operator.ge}
@@ -336,6 +357,11 @@ def _infer(values: AssumedValues, packet: Any, args: tuple, out: torch.Tensor) -
         return False
     if packet in _ALWAYS:
         return True
+    if packet in _CONSTANT:
+        return _CONSTANT[packet]
+    if packet in _FILLS:
+        at = _FILLS[packet]
+        return _known(values, args[at]) if len(args) > at else None
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor):
         return None
@@ -352,6 +378,8 @@ def _infer(values: AssumedValues, packet: Any, args: tuple, out: torch.Tensor) -
         return _infer_compare(values, _COMPARE[packet], first, args[1])
     if packet in _LOGICAL and out.dtype == torch.bool:
         return _infer_logical(values, _LOGICAL[packet], args[:2])
+    if _LOGICAL.get(packet) is all and any(k is not None and not k for k in (_known(values, x) for x in args[:2])):
+        return 0  # an integer mask and-ed (or multiplied) with a known zero: finished sequences stay finished
     return None
 
 

@@ -54,6 +54,23 @@ class _Op:
     """The meta tensors it returned."""
     rng: Optional[tuple[torch.Generator, torch.Tensor]]
     """For a random operation: the generator it drew from and that generator's state before it."""
+    places: dict[int, "_Place"]
+    """Where each meta tensor it read or wrote was then, by id: a tensor object may be given another
+    storage later (``p.data = other`` is not dispatched), and the replay needs the one it had here."""
+
+
+@dataclass(frozen=True)
+class _Place:
+    """A tensor's storage and its view of it, as of one operation."""
+
+    key: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _place(t: torch.Tensor) -> _Place:
+    return _Place(_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -96,8 +113,10 @@ class InitRecord:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.ops: list[_Op] = []
-        self._producer: dict[int, int] = {}
-        """id of a meta tensor an operation returned -> that operation."""
+        self._producer: dict[int, tuple[int, int]] = {}
+        """id of a meta tensor an operation returned -> that operation, and the storage the tensor had then.
+        A tensor whose storage changed since (``p.data = other``, which is not dispatched) is no longer that
+        operation's result: its values are its new storage's."""
         self._creator: dict[int, int] = {}
         """storage -> the operation that allocated it."""
         self._writers: dict[int, list[int]] = defaultdict(list)
@@ -124,14 +143,14 @@ class InitRecord:
             self._generators[id(generator)] = generator
             rng = (generator, generator.get_state())
             _advance(func, args, kwargs, self.device)
-        self.ops.append(_Op(func, args, kwargs, outputs, rng))
+        self.ops.append(_Op(func, args, kwargs, outputs, rng, {id(t): _place(t) for t in _metas((args, kwargs))}))
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(argument.name)
                 for t in _metas(value):
                     self._writers[_key(t)].append(index)
         for t in outputs:
-            self._producer[id(t)] = index
+            self._producer[id(t)] = (index, _key(t))
             if _key(t) not in self._creator:
                 self._creator[_key(t)] = index
                 self._bases[_key(t)] = t
@@ -152,7 +171,7 @@ class InitRecord:
                     op = self.ops[index]
                     if op.rng is not None:
                         op.rng[0].set_state(op.rng[1])
-                    real = lambda v: self._real(v, env) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                    real = lambda v: self._real(v, env, op.places.get(id(v))) if isinstance(v, torch.Tensor) else v  # noqa: E731,B023
                     args, kwargs = tree_map(real, op.args), tree_map(real, op.kwargs)
                     if kwargs.get("device") == _META:
                         kwargs["device"] = self.device
@@ -164,43 +183,47 @@ class InitRecord:
                 generator.set_state(state)
         return [self._real(t, env) for t in tensors]
 
-    def _real(self, t: torch.Tensor, env: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The replayed counterpart of a meta tensor (a view of its storage's replayed base if it was
-        made without an operation, as ``nn.Parameter(t)`` is)."""
+    def _real(self, t: torch.Tensor, env: dict[int, torch.Tensor], place: Optional[_Place] = None) -> torch.Tensor:
+        """The replayed counterpart of a meta tensor where it is now, or at ``place`` (a view of its storage's
+        replayed base if it was made without an operation, as ``nn.Parameter(t)`` is)."""
         if not _is_meta(t):
             return t
-        if id(t) in env:
+        place = place or _place(t)
+        if id(t) in env and self._produced(t, place.key) is not None:
             return env[id(t)]
-        base = env.get(id(self._bases.get(_key(t))))
+        base = env.get(id(self._bases.get(place.key)))
         if base is None:
-            raise RuntimeError(f"a meta tensor of shape {tuple(t.shape)} was not made by this recording")
-        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+            raise RuntimeError(f"a meta tensor of shape {place.shape} was not made by this recording")
+        return base.as_strided(place.shape, place.stride, place.offset)
+
+    def _produced(self, t: torch.Tensor, key: int) -> Optional[int]:
+        """The operation that returned ``t``, where ``t`` is in the storage ``key`` it returned it in."""
+        index, produced_in = self._producer.get(id(t), (None, None))
+        return index if produced_in == key else None
 
     def _slice(self, tensors: list[torch.Tensor]) -> set[int]:
         """The operations the final values of ``tensors`` depend on."""
         needed: set[int] = set()
-        seen: set[tuple[int, int]] = set()
-        stack = [(t, math.inf) for t in tensors]
+        seen: set[tuple[int, float, int]] = set()
+        stack = [(t, math.inf, _key(t)) for t in tensors if _is_meta(t)]
         while stack:
-            t, before = stack.pop()
-            if not _is_meta(t):
+            t, before, key = stack.pop()
+            if (id(t), before, key) in seen:
                 continue
-            key = _key(t)
-            if (id(t), before) in seen:
-                continue
-            seen.add((id(t), before))
+            seen.add((id(t), before, key))
             if key not in self._creator:
                 raise RuntimeError(f"a meta tensor of shape {tuple(t.shape)} was not made by this recording")
             found = [self._creator[key]]
-            if id(t) in self._producer:
-                found.append(self._producer[id(t)])
+            producer = self._produced(t, key)
+            if producer is not None:
+                found.append(producer)
             found += [w for w in self._writers[key] if w < before]
             for index in found:
                 if index in needed:
                     continue
                 needed.add(index)
                 op = self.ops[index]
-                stack += [(u, index) for u in _metas((op.args, op.kwargs))]
+                stack += [(u, index, op.places[id(u)].key) for u in _metas((op.args, op.kwargs))]
         return needed
 
 

@@ -56,8 +56,10 @@ def _complete_module(case: Any) -> Any:
     """The case's module with the layers it builds in setup or configure_model (meta init): shapes only."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from lightning_elixir.runtime.deferred import record_init
+
     model = case.module()
-    with torch.device("meta"):
+    with record_init(torch.device("cpu")):  # meta tensors whose values a build may still read (.item())
         if is_overridden("setup", model):
             model.setup("fit")
         if is_overridden("configure_model", model):

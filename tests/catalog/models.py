@@ -1548,6 +1548,47 @@ class HFModel(TokenLM):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class HFResized(HFModel):
+    """``resize_token_embeddings`` right after the build (in configure_model: assigned ``.data`` on meta tensors)."""
+
+    def __init__(self, kind: str, in_configure_model: bool, mean_resizing: bool) -> None:
+        self.mean_resizing = mean_resizing
+        super().__init__(kind, in_configure_model=in_configure_model)
+
+    def _build(self) -> None:
+        super()._build()
+        self.model.resize_token_embeddings(72, mean_resizing=self.mean_resizing)
+
+
+class HFGenerating(HFModel):
+    """Greedy generation of four tokens with the KV cache, as predictions."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        prompt = batch[0][:, :4]
+        return self.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                   do_sample=False, pad_token_id=0)
+
+
+class DataSwappedInConfigureModel(Classifier):
+    """The head's weight given new values by assigning ``.data`` in configure_model (a classifier grown by two
+    classes, its first rows kept), as ``resize_token_embeddings`` does to an embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.body is None:
+            self.body = nn.Linear(8, 16)
+            self.head = nn.Linear(16, 4)
+            bigger = nn.Linear(16, 6)
+            bigger.weight.data[:4] = self.head.weight.data
+            self.head.weight.data = bigger.weight.data[:4].clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
 _HF_VISION: dict[str, Callable[[Any], tuple[Any, Any]]] = {
     "vit": lambda tr: (tr.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
                                     num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.0,
@@ -2408,6 +2449,13 @@ CASES: list[Case] = [
     Case("frozen_bf16_parameter_in_its_dtype", FrozenBf16Table, cls_data),
     Case("float64_layer", Float64Layer, cls_data),
     Case("complex_parameter", ComplexLayer, cls_data),
+    Case("data_assigned_in_configure_model", DataSwappedInConfigureModel, cls_data),
+    Case("hf_llama_resized_embeddings_configure_model", lambda: HFResized("llama", True, True), token_data,
+         requires="transformers", tol=ADAM_NEAR_ZERO),
+    Case("hf_gpt2_resized_tied_embeddings_configure_model", lambda: HFResized("gpt2", True, False), token_data,
+         requires="transformers"),
+    Case("hf_llama_generate_in_predict_without_fit", lambda: HFGenerating("llama"),
+         lambda: dict(predict=loader(token_set(seed=2))), run=predict_only, requires="transformers", trains=False),
     Case("param_group_added_at_epoch_1", HeadThenBackbone, cls_data, trainer=dict(max_epochs=2),
          run=fit_with(AddBackboneGroup)),
     Case("projected_task_grads_from_autograd_grad", ProjectedTaskGrads, cls_data),

@@ -467,3 +467,41 @@ class SparseEmbedding(Classifier):
 def test_sparse_gradients_profile():
     profile = _check(SparseEmbedding())
     assert any("table.weight" in a.params for a in profile.accesses if a.phase == "backward")
+
+
+class Generates(Classifier):
+    """A step that extends its input until a stopping mask says every row is done, as text generation does."""
+
+    def __init__(self, until_end_token: bool) -> None:
+        super().__init__()
+        self.until_end_token = until_end_token
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        unfinished = torch.ones(x.shape[0], dtype=torch.long)
+        steps = 0
+        while True:
+            x = x + self(x).sum(-1, keepdim=True) * 0.0  # one forward per generated token
+            steps += 1
+            done = torch.full((x.shape[0],), steps >= 3, dtype=torch.bool)  # a maximum length
+            if self.until_end_token:  # ... or an end token, which only values can say
+                done = x[:, 0] > 1e6
+            unfinished = unfinished & ~done
+            if unfinished.max() == 0:
+                break
+        self.steps = steps
+        return F.cross_entropy(self(x), y)
+
+
+def test_a_loop_that_ends_on_constant_fills_ends_in_the_trace():
+    module = Generates(until_end_token=False)
+    profile = profile_model(module, _batch())
+    assert len(profile.accesses) > 0 and not _fakes_in(module)
+
+
+def test_a_loop_that_ends_only_on_unknown_values_is_given_up(monkeypatch):
+    from lightning_elixir.profile.assumed import AssumedValues
+
+    monkeypatch.setattr(AssumedValues, "max_ops", 20_000)
+    with pytest.raises(ProfileError, match="more than 20,000 operators"):
+        profile_model(Generates(until_end_token=True), _batch())
