@@ -102,8 +102,12 @@ def _levers(frugal: Frugal, model: ModelProfile, hardware: HardwareProfile, budg
         levers.append(_offload_lever(hardware, options))
     more = dataclasses.replace(options, world_size=options.world_size * 2)
     need = frugal_plan(model, hardware, more).memory.peak_bytes
-    levers.append(f"more devices: with {more.world_size} ranks the most frugal plan needs about "
-                  f"{format_bytes(need)} per rank")
+    if need < 0.95 * m.peak_bytes:
+        levers.append(f"more devices: with {more.world_size} ranks the most frugal plan needs about "
+                      f"{format_bytes(need)} per rank")
+    else:  # what is left is per rank (activations, the allocator's margin): sharding further frees nothing
+        levers.append(f"more devices would not help: with {more.world_size} ranks the most frugal plan still needs "
+                      f"about {format_bytes(need)} per rank, as every rank holds its own activations and margin")
     return tuple(levers)
 
 

@@ -59,10 +59,17 @@ def test_nvme_without_measured_bandwidth_says_so():
     assert "bandwidth was not measured" in str(err)
 
 
-def test_more_devices_are_always_offered_with_their_estimate():
+def test_more_devices_are_offered_with_their_estimate_where_they_help():
     err = no_fit(MODEL, 1000, options())
     more = [lever for lever in err.levers if lever.startswith("more devices")]
-    assert len(more) == 1 and "with 4 ranks" in more[0]
+    assert len(more) == 1 and "with 4 ranks the most frugal plan needs" in more[0]
+
+
+def test_more_devices_are_not_offered_where_activations_fill_every_rank():
+    model = chain_profile([[100], [100]], activation_bytes=1 << 20)
+    err = no_fit(model, 1 << 19, options())
+    more = [lever for lever in err.levers if lever.startswith("more devices")]
+    assert len(more) == 1 and more[0].startswith("more devices would not help")
 
 
 def test_a_bad_budget_is_a_plain_value_error():
