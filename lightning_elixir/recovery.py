@@ -104,6 +104,10 @@ class StepSnapshot:
     buffers: list[tuple[nn.Module, str, torch.Tensor]]
     metrics: list[tuple[nn.Module, dict[str, Any], dict[str, torch.Tensor]]]
     results: Optional[tuple[Any, dict[str, Any]]]
+    flags: list[tuple[nn.Parameter, bool]]
+    """Each parameter's ``requires_grad``: a ``toggle_optimizer`` the failed attempt did not undo froze some."""
+    toggled: Optional[dict[Any, bool]]
+    """The flags ``untoggle_optimizer`` restores (Lightning keeps them on the module between the two calls)."""
 
     @classmethod
     def take(cls, module: nn.Module, results: Any, cuda: bool,
@@ -116,10 +120,21 @@ class StepSnapshot:
         if results is not None:
             kept = (results, {key: (value, [_metric_state(m) for m in _result_metrics(value)])
                               for key, value in results.items()})
-        return cls(rng_states(cuda, every_device=False), buffers, metrics, kept)
+        with torch._C.DisableTorchFunctionSubclass():  # attribute reads: no ChunkedParameter dispatch
+            flags = [(p, p.requires_grad) for p in module.parameters()]
+        toggled = getattr(module, "_param_requires_grad_state", None)
+        return cls(rng_states(cuda, every_device=False), buffers, metrics, kept, flags,
+                   dict(toggled) if toggled is not None else None)
 
-    def restore(self) -> None:
+    def restore(self, module: Optional[nn.Module] = None) -> None:
+        """Put it all back; ``module``: the one it was taken of (its toggled flags go back too)."""
         set_rng_states(self.rng)
+        with torch._C.DisableTorchFunctionSubclass():
+            for param, flag in self.flags:
+                if param.requires_grad != flag:
+                    param.requires_grad_(flag)
+        if module is not None and self.toggled is not None:
+            module._param_requires_grad_state = dict(self.toggled)
         with torch.no_grad():
             for module, name, value in self.buffers:
                 current = module._buffers.get(name)
@@ -317,7 +332,8 @@ class OutOfMemoryRecovery:
         strategy.switch_plan(plan, grads=self.carries_grads, budget_bytes=budget)
         self._carried = self.carries_grads
         assert self.snapshot is not None
-        self.snapshot.restore()
+        self.snapshot.restore(strategy.runtime.module)
+        strategy.runtime.follow_requires_grad()  # the flags the failed attempt toggled are back
 
     def _agree(self, own: dict[str, Any], group: Group) -> list[dict[str, Any]]:
         """Every rank's facts about the failure, the same list on every rank."""

@@ -21,6 +21,7 @@ from typing import Optional
 import lightning as L
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -315,3 +316,67 @@ def test_recovery_is_off_with_nccl_across_processes_and_says_so(monkeypatch):
     with pytest.warns(UserWarning, match="out-of-memory recovery is off with NCCL"):
         group = strategy._group()
     assert group is two_ranks and strategy.recovery is None
+
+
+class ToggledGAN(L.LightningModule):
+    """A GAN under manual optimization with toggle_optimizer; with ``oom_at``, the generator's backward runs out
+    of memory once at that step, while the discriminator is toggled off."""
+
+    def __init__(self, oom_at: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.automatic_optimization, self.oom_at = False, oom_at
+
+    def train_dataloader(self):
+        data = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        fake = self.gen(torch.randn(4, 8, generator=torch.Generator().manual_seed(batch_idx)))
+        if self.global_step // 2 == self.oom_at:  # two optimizer steps per batch
+            self.oom_at, fake = -1, _RunOut.apply(fake)
+        g_loss = F.softplus(-self.disc(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = F.softplus(-self.disc(batch)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.losses += [g_loss.item(), d_loss.item()]
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters(), 1e-2), torch.optim.Adam(self.disc.parameters(), 5e-3)
+
+
+def _fit_gan(run: Path, world_size: int, oom_at: int) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    strategy = ElixirStrategy(plan="auto", replan=False, device_memory_limit=4 << 20,
+                              collective_timeout_s=TIMEOUT.total_seconds())
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=12, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    model = ToggledGAN(oom_at)
+    model.losses = []
+    with emulated_device_memory(ROOMY):
+        trainer.fit(model)
+    recoveries = len(strategy.recovery.attempts) if strategy.recovery is not None else 0
+    torch.save({"losses": model.losses, "weights": model.state_dict(), "recoveries": recoveries},
+               run / f"rank{trainer.global_rank}.pt")
+
+
+def test_a_step_redone_after_toggle_optimizer_finds_the_flags_as_before(tmp_path):
+    """The failed attempt's toggle_optimizer froze the discriminator; the redo must find it trainable again."""
+    fit_on_ranks(2, [(tmp_path / "oom", 3), (tmp_path / "reference", -1)], fit_fn=_fit_gan)
+    for rank in (0, 1):
+        got, want = (torch.load(tmp_path / name / f"rank{rank}.pt") for name in ("oom", "reference"))
+        assert got["recoveries"] == 1 and want["recoveries"] == 0
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
+        for key, value in want["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
