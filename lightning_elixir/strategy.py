@@ -104,6 +104,16 @@ def _holds_meta(module: Any) -> bool:
     return module is not None and any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def _refuse_graph_logging(trainer: Any) -> None:
+    """Refuse, before any work, a logger that would trace the model on rank 0 alone (``log_graph=True``)."""
+    for logger in trainer.loggers:
+        if getattr(logger, "_log_graph", False):
+            raise ValueError(f"{type(logger).__name__}(log_graph=True) traces the model on rank 0 alone, where the "
+                             "Elixir strategy holds only this rank's shard of each chunk and gathering needs every "
+                             "rank: set log_graph=False (log the graph from a run on one device, with "
+                             "strategy='auto', if you need it)")
+
+
 def _refuse_unsupported_callbacks(trainer: Any) -> None:
     """Refuse, before any work, Lightning callbacks that cannot work on sharded parameters, saying what works."""
     for cb in trainer.callbacks:
@@ -400,6 +410,7 @@ class ElixirStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         check_initialized(self.model)  # before planning, which reads the shapes too
         self._starts_in_backward = None  # this stage's trainer decides it anew
+        _refuse_graph_logging(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_unsupported_callbacks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -357,6 +357,19 @@ def test_callbacks_that_read_weights_at_epoch_ends_are_refused_before_training()
     assert trainer.global_step == 0
 
 
+def test_graph_logging_is_refused_before_training(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elixir", max_epochs=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        logger=TensorBoardLogger(tmp_path, name="tb", log_graph=True))
+    model = Backbone()
+    model.example_input_array = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"TensorBoardLogger\(log_graph=True\) traces the model on rank 0 alone"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+
+
 def test_lazy_modules_must_be_initialized_first():
     class Lazy(Backbone):
         def __init__(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -274,6 +274,32 @@ def materialize_buffers(module: nn.Module, device: torch.device, deferred: Seque
                                 "build it in configure_model() (or under trainer.init_module(empty_init=True)), "
                                 "where the strategy records the build and replays it, or create it on a real device")
             mod.reset_parameters()
+        _materialize_attributes(mod, device, deferred)
+
+
+def _materialize_attributes(mod: nn.Module, device: torch.device, deferred: Sequence[InitRecord]) -> None:
+    """Tensors a deferred build left in plain attributes (a torchmetrics metric's states and their defaults,
+    ``example_input_array``, a mask kept as an attribute), directly or in a list, tuple or dict: the values
+    the recording replays, on ``device``, as a real build (moved to the device) would have them."""
+    def meta(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type == "meta"
+
+    def real(value: Any) -> Any:
+        record = recording_of(value, deferred) if meta(value) else None
+        return record.materialize(value).to(device) if record is not None else value
+
+    for name, value in list(vars(mod).items()):
+        if name in ("_parameters", "_buffers", "_modules"):
+            continue
+        if meta(value):
+            mod.__dict__[name] = real(value)
+        elif type(value) is tuple and any(meta(v) for v in value):
+            mod.__dict__[name] = tuple(real(v) for v in value)
+        elif isinstance(value, list) and any(meta(v) for v in value):  # in place: others may hold the same list
+            value[:] = [real(v) for v in value]
+        elif isinstance(value, dict) and any(meta(v) for v in value.values()):
+            for key, v in list(value.items()):
+                value[key] = real(v)
 
 
 def broadcast_buffers(buffers: list[torch.Tensor], group: Group) -> None:

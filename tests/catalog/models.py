@@ -1569,6 +1569,36 @@ class HFGenerating(HFModel):
                                    do_sample=False, pad_token_id=0)
 
 
+class StateBuiltInConfigureModel(Classifier):
+    """Built in configure_model: a torchmetrics metric, a mask kept as a plain tensor attribute and the example
+    input the model summary runs (all of which a deferred build must give real values, as to parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            import torchmetrics
+
+            self.net = mlp(8, 16, 4)
+            self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+            self.mask = (torch.arange(8) % 4 != 0).float()
+            self.example_input_array = torch.randn(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x * self.mask)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        self.acc(logits, y)
+        self.log("train_acc", self.acc, on_step=True, on_epoch=True)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        return loss
+
+
 class DataSwappedInConfigureModel(Classifier):
     """The head's weight given new values by assigning ``.data`` in configure_model (a classifier grown by two
     classes, its first rows kept), as ``resize_token_embeddings`` does to an embedding."""
@@ -2450,6 +2480,8 @@ CASES: list[Case] = [
     Case("float64_layer", Float64Layer, cls_data),
     Case("complex_parameter", ComplexLayer, cls_data),
     Case("data_assigned_in_configure_model", DataSwappedInConfigureModel, cls_data),
+    Case("metric_mask_and_example_input_built_in_configure_model", StateBuiltInConfigureModel, cls_data,
+         trainer=dict(enable_model_summary=True)),
     Case("hf_llama_resized_embeddings_configure_model", lambda: HFResized("llama", True, True), token_data,
          requires="transformers", tol=ADAM_NEAR_ZERO),
     Case("hf_gpt2_resized_tied_embeddings_configure_model", lambda: HFResized("gpt2", True, False), token_data,
