@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from tests.catalog.harness import WORLD_SIZE
 from tests.catalog.models import Case, Tol
 
-RANKS = (0, 1)
+RANKS = tuple(range(WORLD_SIZE))
 SHOW = 6
 """Mismatches listed per kind (the rest are counted)."""
 
@@ -56,6 +57,8 @@ def _tensor_diff(path: str, want: torch.Tensor, got: torch.Tensor, tol: Tol) -> 
         return f"{path}: got {type(got).__name__}, DDP a tensor"
     if want.shape != got.shape or want.dtype != got.dtype:
         return f"{path}: got {got.dtype}{list(got.shape)}, DDP {want.dtype}{list(want.shape)}"
+    if got.is_complex():  # compared as its real and imaginary parts
+        got, want = torch.view_as_real(got), torch.view_as_real(want)
     if got.is_floating_point():
         if not bool(torch.isfinite(got).all()):
             return f"{path}: not finite ({int((~torch.isfinite(got)).sum())} of {got.numel()} elements)"

@@ -35,7 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
-WORLD_SIZE = 2
+WORLD_SIZE = int(os.environ.get("CATALOG_WORLD_SIZE", 2))
+"""Ranks every case runs on: 2 (the default), or ``CATALOG_WORLD_SIZE`` to run the catalog at another world
+size (3 or 4 find what an even split hides: padding, a sum of more than two parts)."""
 STRATEGIES = ("ddp", "elixir", "elixir-tight", "zero3-1pp", "zero3-shared")
 PG_TIMEOUT_S = 60
 CASE_TIMEOUT_S = float(os.environ.get("CATALOG_CASE_TIMEOUT", 180))

@@ -1661,8 +1661,8 @@ def _check_clipping_needed(results: list[dict]) -> None:
 
 
 def _check_ranks_differ_in_bn_stats(results: list[dict]) -> None:
-    v0, v1 = (r["extras"]["validate"][0]["val_loss"] for r in results)
-    assert v0 != v1, "ranks should see different validation data"
+    losses = [r["extras"]["validate"][0]["val_loss"] for r in results]
+    assert len(set(losses)) > 1, "ranks should see different validation data"
 
 
 def _check_lrs_change(results: list[dict]) -> None:
@@ -2133,7 +2133,7 @@ class SkippingMoE(Classifier):
 
 def _check_ranks_route_differently(results: list[dict]) -> None:
     routes = [[m["routing"] for m in r["step_metrics"]] for r in results]
-    assert any(a != b for a, b in zip(*routes)), routes
+    assert any(len(set(map(repr, step))) > 1 for step in zip(*routes)), routes
 
 
 class InplaceResNet(Classifier):

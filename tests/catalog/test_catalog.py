@@ -9,7 +9,8 @@ Tests:
 - test_matches_ddp[case-strategy]: the strategy's losses per step, logged values, learning rates,
   final weights, buffers and extras equal DDP's within the case's tolerance (models.Tol).
 
-Set CATALOG_SUMMARY=<path> to also write a markdown table of every (case, strategy) outcome.
+Set CATALOG_SUMMARY=<path> to also write a markdown table of every (case, strategy) outcome, and
+CATALOG_WORLD_SIZE=3 (or 4) to run the cases on that many ranks instead of two.
 """
 
 from __future__ import annotations
