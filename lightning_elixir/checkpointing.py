@@ -193,14 +193,12 @@ def load_sharded_model(runtime: Any, checkpoint: dict[str, Any], path: str, stri
     ``state`` itself is refused: it is read from the shards into this rank's views.
     """
     from lightning_elixir.runtime.sharded import load_sharded
-    from lightning_elixir.runtime.state_dict import StateDictMismatchError, load_full_state_dict
+    from lightning_elixir.runtime.state_dict import check_keys, load_full_state_dict
 
     state_dict = checkpoint["state_dict"]
     model_keys = set(runtime.module.state_dict(keep_vars=True))
-    missing, unexpected = sorted(model_keys - set(state_dict)), sorted(set(state_dict) - model_keys)
-    if strict and (missing or unexpected):
-        raise StateDictMismatchError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected "
-                                     f"keys {unexpected[:5]} (load with strict=False to load what matches)")
+    if strict:
+        check_keys(model_keys, state_dict)
     stored = {k for k, v in state_dict.items() if isinstance(v, StoredInShards) and k in model_keys}
     load_sharded(runtime, [], path, only=stored)
     given = {k: v for k, v in state_dict.items() if not isinstance(v, StoredInShards)}

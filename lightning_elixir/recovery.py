@@ -106,8 +106,9 @@ class StepSnapshot:
     results: Optional[tuple[Any, dict[str, Any]]]
     flags: list[tuple[nn.Parameter, bool]]
     """Each parameter's ``requires_grad``: a ``toggle_optimizer`` the failed attempt did not undo froze some."""
-    toggled: Optional[dict[Any, bool]]
-    """The flags ``untoggle_optimizer`` restores (Lightning keeps them on the module between the two calls)."""
+    toggled: Optional[tuple[nn.Module, dict[Any, bool]]]
+    """The module and the flags ``untoggle_optimizer`` restores (Lightning keeps them on the module between
+    the two calls)."""
 
     @classmethod
     def take(cls, module: nn.Module, results: Any, cuda: bool,
@@ -124,24 +125,24 @@ class StepSnapshot:
             flags = [(p, p.requires_grad) for p in module.parameters()]
         toggled = getattr(module, "_param_requires_grad_state", None)
         return cls(rng_states(cuda, every_device=False), buffers, metrics, kept, flags,
-                   dict(toggled) if toggled is not None else None)
+                   (module, dict(toggled)) if toggled is not None else None)
 
-    def restore(self, module: Optional[nn.Module] = None) -> None:
-        """Put it all back; ``module``: the one it was taken of (its toggled flags go back too)."""
+    def restore(self) -> None:
         set_rng_states(self.rng)
         with torch._C.DisableTorchFunctionSubclass():
             for param, flag in self.flags:
                 if param.requires_grad != flag:
                     param.requires_grad_(flag)
-        if module is not None and self.toggled is not None:
-            module._param_requires_grad_state = dict(self.toggled)
+        if self.toggled is not None:
+            owner, flags = self.toggled
+            owner._param_requires_grad_state = dict(flags)
         with torch.no_grad():
-            for module, name, value in self.buffers:
-                current = module._buffers.get(name)
+            for holder, name, value in self.buffers:
+                current = holder._buffers.get(name)
                 if current is not None and current.shape == value.shape:
                     current.copy_(value)
                 else:
-                    module._buffers[name] = value.clone()
+                    holder._buffers[name] = value.clone()
         for state in self.metrics:
             _put_metric_state(state)
         if self.results is not None:
@@ -332,7 +333,7 @@ class OutOfMemoryRecovery:
         strategy.switch_plan(plan, grads=self.carries_grads, budget_bytes=budget)
         self._carried = self.carries_grads
         assert self.snapshot is not None
-        self.snapshot.restore(strategy.runtime.module)
+        self.snapshot.restore()
         strategy.runtime.follow_requires_grad()  # the flags the failed attempt toggled are back
 
     def _agree(self, own: dict[str, Any], group: Group) -> list[dict[str, Any]]:

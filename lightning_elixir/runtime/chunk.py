@@ -117,6 +117,9 @@ class Chunk:
         """The arena this chunk's host tensors are cut from, if any (its slack is counted as host memory)."""
         self.pending_update: Optional[Future] = None
         """The offloaded optimizer update of this chunk still running on a worker thread, if any."""
+        self.learned: dict[frozenset[int], int] = {}
+        """The watcher learned for each set of trainable parameters: optimizers toggled in turn (a GAN's
+        over a chunk holding parts of both networks) reuse theirs at every switch."""
         self.forget_watcher()
         self.track_trainable()
 
@@ -227,19 +230,19 @@ class Chunk:
         with torch._C.DisableTorchFunctionSubclass():  # as in release: no ChunkedParameter dispatch per slot
             for slot in self.slots:
                 slot.param.data = slot.view
-            self._versions = [slot.param._version for slot in self.slots]
+        self._versions = self._param_versions()
         self.bound = True
+
+    def _param_versions(self) -> list[int]:
+        """Each parameter's version counter (which in-place operations on it move)."""
+        with torch._C.DisableTorchFunctionSubclass():  # attribute reads: no ChunkedParameter dispatch
+            return [slot.param._version for slot in self.slots]
 
     def written(self) -> bool:
         """Whether code may have written to the gathered values since they were bound or written back: it
         read them outside the hooks (``exposed``), or an in-place operation on a parameter moved its version
         counter ([Note: writes to parameters])."""
-        if self.exposed:
-            return True
-        if not self.bound:
-            return False
-        with torch._C.DisableTorchFunctionSubclass():  # an attribute read: no ChunkedParameter dispatch
-            return [slot.param._version for slot in self.slots] != self._versions
+        return self.exposed or (self.bound and self._param_versions() != self._versions)
 
     def write_back(self) -> None:
         """Copy values written to this rank's part of the gathered block into the master shard.
@@ -262,8 +265,7 @@ class Chunk:
         """
         self.exposed = False
         if self.bound:
-            with torch._C.DisableTorchFunctionSubclass():
-                self._versions = [slot.param._version for slot in self.slots]
+            self._versions = self._param_versions()
         own = self.full[self.shard_begin:self.shard_begin + self.shard_numel]
         if self.aliased and self.master is self.shard:
             return  # the writes went to the master itself
@@ -318,7 +320,7 @@ class Chunk:
             if learned is None:
                 self.forget_watcher()
             else:  # these parameters trained before (optimizers toggled in turn): their watcher is known
-                self.watcher, self.learned_for = learned, frozenset(self.grad_requiring)
+                self.learn_watcher(learned)
         self.reset_grad_tracking()
 
     def learn_watcher(self, pid: int) -> None:
@@ -329,10 +331,8 @@ class Chunk:
     def forget_watcher(self, everything: bool = False) -> None:
         """Learn again which parameter completes the chunk ([Note: one hook per chunk] in grads.py);
         ``everything``: forget the watchers learned for other sets of trainable parameters too."""
-        if everything or not hasattr(self, "learned"):
-            self.learned: dict[frozenset[int], int] = {}
-            """The watcher learned for each set of trainable parameters: optimizers toggled in turn
-            (a GAN's over a chunk holding parts of both networks) reuse theirs at every switch."""
+        if everything:
+            self.learned.clear()
         self.watcher: Optional[int] = None
         """id of the one trainable parameter whose hook stands for the chunk, once learned; None while
         every trainable parameter has a hook."""

@@ -179,10 +179,8 @@ class GradientFlow:
         chunk.settle()
         chunk.grad_shard.zero_()
         self.reductions.valid[chunk.index] = True
-        for slot in chunk.slots:
-            view = self.table.views.get(id(slot.param))
-            if view is not None:
-                view.grad = None
+        for _, view in self.table.chunk_views(chunk):
+            view.grad = None
 
     def rebuild(self) -> None:
         """The table's chunks changed (the module was detached from them)."""

@@ -88,7 +88,8 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
         _check_plan_matches(plan, named, world_size, shared)
         _check_one_dtype(plan.chunks, own_dtypes)
         return plan.chunks
-    groups = [[(n, p.numel()) for n, p in named if n in set(full_precision) and n not in shared | set(own_dtypes)]]
+    full_precision = set(full_precision) - shared - set(own_dtypes)
+    groups = [[(n, p.numel()) for n, p in named if n in full_precision]]
     for dtype in dict.fromkeys(own_dtypes.values()):
         groups.append([(n, p.numel()) for n, p in named if own_dtypes.get(n) == dtype])
     apart = {n for group in groups for n, _ in group}
@@ -151,7 +152,7 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
     full_precision = set(full_precision)
     _replace_meta_params(module, device)
     params = dict(module.named_parameters())
-    own_dtypes = own_dtypes or {}
+    own_dtypes = policy.own_dtype_params(module) if own_dtypes is None else own_dtypes
     fulls = [bool(full_precision.intersection(spec.params)) for spec in specs]
     owns = [own_dtypes.get(spec.params[0]) if spec.params else None for spec in specs]
     computes = [own or (policy.master_dtype if full else policy.compute_dtype) for full, own in zip(fulls, owns)]
@@ -274,7 +275,8 @@ def materialize_buffers(module: nn.Module, device: torch.device, deferred: Seque
                                 "build it in configure_model() (or under trainer.init_module(empty_init=True)), "
                                 "where the strategy records the build and replays it, or create it on a real device")
             mod.reset_parameters()
-        _materialize_attributes(mod, device, deferred)
+        if deferred:
+            _materialize_attributes(mod, device, deferred)
 
 
 def _materialize_attributes(mod: nn.Module, device: torch.device, deferred: Sequence[InitRecord]) -> None:

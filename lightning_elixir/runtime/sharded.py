@@ -320,8 +320,9 @@ def load_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, *, mo
     _check_optimizers(optimizers, entries, meta)
     runtime.offload.settle()
     runtime.release_all()
-    targets, staged = _model_targets(runtime, stored_names(meta, only)) if model else ({}, {})
+    targets, staged = {}, {}
     if model:
+        targets, staged = _model_targets(runtime, stored_names(meta, only))
         targets.update(_companion_targets(runtime, stored))
     state_targets = [_state_targets(runtime, views, saved, stored, k)  # zip: none when no optimizers are given
                      for k, (views, saved) in enumerate(zip(entries, meta["optimizers"]))]

@@ -10,7 +10,7 @@ while the file is written ([Note: streamed full checkpoints] in full_file.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -75,19 +75,26 @@ class StateDictMismatchError(RuntimeError, ValueError):
     """A state dict that does not fit the model: a RuntimeError, as ``nn.Module.load_state_dict`` raises."""
 
 
+def check_keys(model_keys: Iterable[str], keys: Iterable[str]) -> None:
+    """Strict loading: the state dict's ``keys`` are exactly the model's, as ``load_state_dict`` requires."""
+    model_keys, keys = set(model_keys), set(keys)
+    missing, unexpected = sorted(model_keys - keys), sorted(keys - model_keys)
+    if missing or unexpected:
+        raise StateDictMismatchError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected keys "
+                                     f"{unexpected[:5]} (load with strict=False to load what matches)")
+
+
 def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = True) -> None:
     """Load a plain (unsharded) state dict into the master shards and the buffers."""
     own = runtime.module.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-    if strict and (missing or unexpected):
-        raise StateDictMismatchError(f"state dict does not match the model: missing keys {missing[:5]}, unexpected keys "
-                                     f"{unexpected[:5]} (load with strict=False to load what matches)")
+    if strict:
+        check_keys(own, state_dict)
     source = {id(v): state_dict[k] for k, v in own.items() if k in state_dict}
     wrong = [f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}" for k, v in own.items()
              if k in state_dict and tuple(getattr(state_dict[k], "shape", ())) != tuple(v.shape)]
     if wrong:  # before anything is loaded: a partial load would leave a model that is neither
         raise StateDictMismatchError(f"the checkpoint's shapes do not match the model ({len(wrong)} tensors), e.g. "
-                         f"{'; '.join(wrong[:3])}; was it saved from another model configuration?")
+                                     f"{'; '.join(wrong[:3])}; was it saved from another model configuration?")
     runtime.release_all()
     chunked = runtime.param_ids()
     with torch.no_grad():
