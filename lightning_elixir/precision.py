@@ -95,7 +95,8 @@ class ElixirPrecision(Precision):
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        closure_result = closure()
+        with self.runtime.step_region():  # the hooks between training_step and backward (on_before_zero_grad,
+            closure_result = closure()    # on_before_backward) run on every rank: reads there gather on demand
         if closure_result is None and getattr(model, "automatic_optimization", True):
             return closure_result  # training_step returned None: no backward ran, nothing to step
         overflow = self.scaler is not None and self.scaler.unscale_and_check(self.runtime)

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_elixir.after_step import AfterStepRegion
 from lightning_elixir.averaging import install_averages, remove_averages
 from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model, load_sharded_optimizers,
                                             save_full_checkpoint, save_sharded_checkpoint,
@@ -299,6 +300,7 @@ class ElixirStrategy(ParallelStrategy):
         """After a fit gave the module back: its runtime, whose shards hold the optimizers' state until the
         next stage (``trainer.save_checkpoint`` after fit gathers it, as DDP would save it)."""
         self._saver = CheckpointSaver()  # saves through the Trainer's checkpoint_io, atomically
+        self._after_step = AfterStepRegion()  # [Note: code after the step in optimizer_step]
 
     # ---- precision --------------------------------------------------------------------------
 
@@ -427,6 +429,7 @@ class ElixirStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             install_toggling(self.lightning_module)  # [Note: toggling optimizers]
+            self._after_step.install(self.lightning_module)
             self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
         self.setup_precision_plugin()
 
@@ -597,12 +600,12 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self.recovery is None or not self.lightning_module.automatic_optimization:
-            with self._counting(), self._updates_may_start():  # under manual optimization the training_step recovers
+            with self._backward_region():  # under manual optimization the training_step recovers
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = self.lightning_module.trainer
         while True:
             try:
-                with self._counting(), self._updates_may_start():
+                with self._backward_region():
                     return super().backward(closure_loss, optimizer, *args, **kwargs)
             except Exception as err:
                 if not recoverable_error(err):
@@ -618,15 +621,28 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self._after_step.close()  # what the module's hook wrote after a previous step goes in first
         if self.recovery is None or not self.lightning_module.automatic_optimization:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        while True:  # what the closure's training_step and backward did not recover: redo the whole closure
-            try:
-                return super().optimizer_step(optimizer, closure, model, **kwargs)
-            except Exception as err:
-                if not recoverable_error(err):
-                    raise
-                self._recover(err, "optimizer step", self._update_begun())
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            while True:  # what the closure's training_step and backward did not recover: redo the whole closure
+                try:
+                    output = super().optimizer_step(optimizer, closure, model, **kwargs)
+                    break
+                except Exception as err:
+                    if not recoverable_error(err):
+                        raise
+                    self._recover(err, "optimizer step", self._update_begun())
+        self._after_step.open(self.runtime)  # [Note: code after the step in optimizer_step]
+        return output
+
+    @contextmanager
+    def _backward_region(self) -> Generator[None, None, None]:
+        """Around the strategy's backward: every rank runs it, on_before_backward hooks included, so reads
+        there gather on demand (as in the step); memory is counted; offloaded updates may start."""
+        assert self.runtime is not None
+        with self.runtime.step_region(), self._counting(), self._updates_may_start():
+            yield
 
     def _update_begun(self) -> Optional[str]:
         """Why the step cannot be redone: an update began (in the step, or an offloaded one in backward)."""
@@ -913,6 +929,7 @@ class ElixirStrategy(ParallelStrategy):
         remove_averages(self._averaging)
         self._averaging = []
         remove_toggling(self.lightning_module)
+        self._after_step.remove(self.lightning_module)
         if self.runtime is not None and not self._failed:
             self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
         if self.runtime is not None and self._failed:

@@ -170,14 +170,14 @@ class _Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_one_process(strategy, empty_init: bool = False) -> tuple[L.Trainer, _Linear]:
+def _fit_one_process(strategy, empty_init: bool = False, module: type = _Linear) -> tuple[L.Trainer, _Linear]:
     # the same batches under every strategy: no DistributedSampler (it reorders them)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     torch.manual_seed(0)
     with trainer.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
-        model = _Linear()
+        model = module()
     assert model.layer.weight.is_meta == empty_init
     data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
@@ -199,6 +199,22 @@ def test_teardown_gives_the_module_back_or_keeps_the_shards_when_asked():
         sharded.layer.weight.sum()
     with trainer.strategy.gathered_params():
         torch.testing.assert_close(sharded.layer.weight.detach(), reference.layer.weight.detach())
+
+
+class _ClampedAfterStep(_Linear):
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            self.layer.weight.clamp_(-0.1, 0.1)
+            self.seen = float(self.layer.weight.abs().max())
+
+
+def test_writes_after_the_step_in_an_optimizer_step_override_are_kept_and_the_hook_given_back():
+    _, reference = _fit_one_process("auto", module=_ClampedAfterStep)
+    _, model = _fit_one_process(ElixirStrategy(plan="zero3"), module=_ClampedAfterStep)
+    assert "optimizer_step" not in model.__dict__  # the module's own method again
+    assert model.seen == reference.seen == pytest.approx(0.1)  # read after the write, the box reached
+    torch.testing.assert_close(model.layer.weight, reference.layer.weight)
 
 
 def test_a_model_built_without_memory_starts_from_the_weights_of_a_real_build():

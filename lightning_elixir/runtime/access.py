@@ -9,15 +9,17 @@ autograd is running a backward that uses it. Otherwise what happens
 depends on where the read is:
 
 - In the step (between ``begin_iteration`` and the end of backward, inside a forward, or inside
-  the strategy's ``training_step``): every rank runs the same code, so the chunk is gathered on
-  demand and *held* ("sticky") until the end of backward (until the end of the iteration without
-  grad): autograd may have saved the parameter for the backward of the operator that read it.
+  a step region: the strategy's ``training_step`` and ``backward``, and the closure the precision
+  plugin runs, whose hooks between the two Lightning runs on every rank): every rank runs the
+  same code, so the chunk is gathered on demand and *held* ("sticky") until the end of backward
+  (until the end of the iteration without grad): autograd may have saved the parameter for the backward of the operator that read it.
   ``nn.MultiheadAttention`` reading ``out_proj.weight``, a tied head, an L2 penalty over
   ``self.parameters()`` all work this way; a profiled plan gives such parameters private chunks.
 - In a gathered region (``gathered()``; the strategy opens one around the hooks Lightning runs
   after backward and before the optimizer step): the same on-demand gather, held until the region
   ends; gradients read through ``.grad`` are gathered from the shards, and in-place changes to
-  values or gradients are kept (written back to this rank's shard) when it ends.
+  values or gradients are kept (written back to this rank's shard) when it ends. The strategy
+  also opens one after the step inside a module's own ``optimizer_step`` hook (after_step.py).
 - Anywhere else (a callback after the step, code after fit with the shards kept): there is no
   point at which every rank is known to read, so the read raises ``OutsideStepError`` saying how
   to read it. A placeholder value is never returned.

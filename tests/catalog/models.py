@@ -496,6 +496,38 @@ class TiedRenorm(TiedLM):
             self._renorm()
 
 
+class ConstrainedAfterStep(Classifier):
+    """Weights kept in a box after every optimizer step (WGAN's critic clipping, a max-norm or non-negativity
+    constraint) after ``super().optimizer_step`` in an ``optimizer_step`` override; or the weight norm logged
+    in the hooks between training_step and backward."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.net = mlp(8, 32, 4)
+        self.where = where
+
+    def _constrain(self) -> None:
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.clamp_(-0.05, 0.05)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.where == "optimizer_step":
+            self._constrain()
+
+    def _log_norm(self) -> None:
+        self.log("weight_norm", sum(p.norm() ** 2 for p in self.net.parameters()).sqrt())
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        if self.where == "norm_before_zero_grad":  # Lightning's place to inspect the updated weights
+            self._log_norm()
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if self.where == "norm_before_backward":
+            self._log_norm()
+
+
 class DecayedInStep(Classifier):
     """The first layer's weight decayed by hand (in place, no_grad) at the start of each training step."""
 
@@ -2473,6 +2505,10 @@ CASES: list[Case] = [
     Case("tied_embedding_renormed_before_optimizer_step", lambda: TiedRenorm("before_step"), token_data),
     Case("tied_embedding_renormed_at_step_start", lambda: TiedRenorm("step_start"), token_data),
     Case("weight_decayed_by_hand_in_training_step", DecayedInStep, cls_data),
+    Case("weights_clipped_after_the_step_in_optimizer_step", lambda: ConstrainedAfterStep("optimizer_step"), cls_data),
+    Case("weight_norm_logged_in_on_before_zero_grad", lambda: ConstrainedAfterStep("norm_before_zero_grad"), cls_data),
+    Case("weight_norm_logged_in_on_before_backward_accumulating", lambda: ConstrainedAfterStep("norm_before_backward"),
+         cls_data, trainer=dict(accumulate_grad_batches=2)),
     Case("weight_clamped_in_its_forward", lambda: WrittenInForward(ClampedLinear), cls_data),
     Case("weight_masked_in_its_forward", lambda: WrittenInForward(MaskedLinear), cls_data),
     Case("frozen_integer_index_parameter", FrozenIndexTable, cls_data),
