@@ -77,7 +77,7 @@ class HostCopy:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))  # the stream the copy went on
             tensor = host
         self._tensor = tensor
 

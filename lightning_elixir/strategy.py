@@ -366,7 +366,10 @@ class ElixirStrategy(ParallelStrategy):
             # the references until the wait instead (read when a group is made; the user's own setting wins).
             os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         if not _distributed_is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            # NCCL: bound to this rank's device (as Lightning's DDP does), so that no communicator or
+            # CUDA context is made on a device guessed from the rank (devices=[2, 3], several nodes)
+            bound = {"device_id": self.root_device} if backend == "nccl" and self.root_device.type == "cuda" else {}
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **bound)
             # Lightning destroys only an NCCL group at exit. A gloo group left to the interpreter's
             # finalization can abort the process (its worker threads still hold tensors), so a run
             # that ended well would exit with SIGABRT now and then: destroy every group we made.
@@ -818,7 +821,11 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
             torch.distributed.barrier()
 
     @override

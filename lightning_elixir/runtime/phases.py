@@ -47,11 +47,12 @@ class PhaseClock:
         current stream instead (for waits that make the stream wait, and the optimizer)."""
         if self.device_timing and device is not None and device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(device)
+            start.record(stream)
             try:
                 yield
             finally:
-                end.record()
+                end.record(stream)
                 self._spans.append((phase, start, end))
             return
         start_s = time.perf_counter()
