@@ -206,19 +206,27 @@ def launch(cmd: list[str], devices: int, out: str) -> list[subprocess.Popen]:
 
 
 def wait(procs: list[subprocess.Popen], timeout_s: float) -> Optional[str]:
-    """Wait for every rank; kill the rest once one failed and GRACE_S passed, or at the timeout."""
+    """Wait for every rank; kill the rest once one failed and GRACE_S passed, or at the timeout, or when
+    this process is stopped while waiting (``timeout``, Ctrl-C): ranks in sessions of their own would
+    otherwise outlive it and hold their devices into the next run."""
     deadline, reason = time.monotonic() + timeout_s, f"timed out after {timeout_s:.0f} s"
-    while any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs) and deadline > time.monotonic() + GRACE_S:
-            deadline, reason = time.monotonic() + GRACE_S, "another rank failed; this one did not finish"
-        if time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)  # its own session: the rank and anything it started
-                    p.wait()
-            return reason
-        time.sleep(0.2)
-    return None
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) and deadline > time.monotonic() + GRACE_S:
+                deadline, reason = time.monotonic() + GRACE_S, "another rank failed; this one did not finish"
+            if time.monotonic() > deadline:
+                return reason
+            time.sleep(0.2)
+        return None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # its own session: the rank and anything it started
+                p.wait()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through wait(), which stops the ranks
 
 
 def collect(out: str, devices: int, killed: Optional[str]) -> list[dict]:
@@ -329,6 +337,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the launcher only, not its ranks
     if args.profile:
         return run_profile(args, argv)
     load, start = os.getloadavg()[0], time.perf_counter()
