@@ -46,6 +46,10 @@ import threading
 import time
 import uuid
 import weakref
+try:
+    import fcntl
+except ImportError:  # not on Windows: a run's liveness is then its process id only
+    fcntl = None  # type: ignore[assignment]
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -65,6 +69,8 @@ _MASK64 = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # odd: distinct lengths shift the checksum differently
 _IO_THREADS = 2
 _RUN_PREFIX = "lightning-elixir"
+_LOCK_NAME = ".lock"
+"""Held (flock) by the store that owns a run directory: [Note: whose run directory is it]."""
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 PathLike = Union[str, os.PathLike]
@@ -153,12 +159,49 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _lock_run(run_dir: Path) -> Optional[int]:
+    """Hold ``run_dir``'s lock file for the store's life: the descriptor (None where there is no flock)."""
+    if fcntl is None:
+        return None
+    fd = os.open(run_dir / _LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _run_in_use(run_dir: Path) -> bool:
+    """Whether a live store holds ``run_dir``'s lock (a directory without one is a crashed run's)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(run_dir / _LOCK_NAME, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock this check took
+    return False
+
+
 def _remove_dead_runs(root: Path, host: str) -> None:
-    """Remove run directories of this host whose process no longer exists (crashed runs)."""
-    pattern = re.compile(rf"{re.escape(_RUN_PREFIX)}-{re.escape(host)}-(\d+)-rank\d+(-[0-9a-f]+)?")
+    """Remove run directories of this host whose process no longer exists (crashed runs).
+
+    [Note: whose run directory is it]
+    The name says which host and process made a run directory, but a process id means something
+    only in its own PID namespace: two containers on one node share the hostname (host networking,
+    common for RDMA) and may share the NVMe scratch directory, and each would see the other's
+    processes as gone and remove directories in use. So a live store also holds an exclusive flock
+    on its directory's lock file (made before the directory gets its name), which the kernel drops
+    when the process dies, whatever its namespace; a directory is removed only when its process
+    looks gone and its lock is free.
+    """
+    pattern = re.compile(rf"\.?{re.escape(_RUN_PREFIX)}-{re.escape(host)}-(\d+)-rank\d+(-[0-9a-f]+)?")
     for entry in root.iterdir():
         match = pattern.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir() or _pid_alive(int(match.group(1))):
+        if (match is None or entry.is_symlink() or not entry.is_dir() or _pid_alive(int(match.group(1)))
+                or _run_in_use(entry)):
             continue
         try:
             shutil.rmtree(entry)
@@ -170,13 +213,15 @@ def _remove_dead_runs(root: Path, host: str) -> None:
         log.info("Removed %s, left over from a crashed run (process %s is gone)", entry, match.group(1))
 
 
-def _shut_down(executor: concurrent.futures.ThreadPoolExecutor, run_dir: Path) -> None:
+def _shut_down(executor: concurrent.futures.ThreadPoolExecutor, run_dir: Path, lock: Optional[int]) -> None:
     """Stop the I/O threads and remove the run directory (also run for a store never closed)."""
     try:
         executor.shutdown(wait=True)
     except RuntimeError:  # a forgotten store's last reference died in one of its own I/O threads
         pass
     shutil.rmtree(run_dir, ignore_errors=True)
+    if lock is not None:
+        os.close(lock)
 
 
 def _new_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
@@ -216,8 +261,11 @@ class NvmeStore:
         host = socket.gethostname()
         _remove_dead_runs(root, host)
         # A process may hold several stores at once (the runtime re-lays records out into a new one).
-        self.path = root / f"{_RUN_PREFIX}-{host}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir(exist_ok=False)
+        name = f"{_RUN_PREFIX}-{host}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+        making = root / f".{name}"  # locked before it gets a name another store's cleanup looks at
+        making.mkdir(exist_ok=False)
+        lock = _lock_run(making)
+        self.path = making.rename(root / name)
         self.stats = NvmeStats()
         self._buffers = buffers
         self._pin = pin_memory and torch.cuda.is_available()
@@ -231,7 +279,7 @@ class NvmeStore:
         self._direct = hasattr(os, "O_DIRECT")
         self._closed = False
         self._executor = concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="elixir-nvme")
-        self._finalizer = weakref.finalize(self, _shut_down, self._executor, self.path)
+        self._finalizer = weakref.finalize(self, _shut_down, self._executor, self.path, lock)
 
     # ---- records ----------------------------------------------------------------------------
 
@@ -281,8 +329,11 @@ class NvmeStore:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the pages take once all are allocated (each also holds a 4096-byte header block)."""
-        return self._buffers * (self.page_bytes + HEADER_BYTES)
+        """Host memory the pages take once all are allocated (each also holds a 4096-byte header block).
+        Pinned pages hold a power of two each: torch's pinned allocator rounds every block up to one
+        ([Note: pinned memory in slabs] in hostmem.py), a page of 48 MiB holds 64."""
+        page = self.page_bytes + HEADER_BYTES
+        return self._buffers * (1 << (page - 1).bit_length() if self._pin else page)
 
     def acquire(self) -> Page:
         """A free page; allocates one while fewer than ``buffers`` exist, else blocks until one is released."""

@@ -76,7 +76,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from lightning_elixir.devices import indexed, start_worker
+from lightning_elixir.devices import indexed, release_pinned_cache, start_worker
 from lightning_elixir.plan import ChunkSpec, PlanError
 from lightning_elixir.runtime.chunk import Chunk, Slot
 from lightning_elixir.runtime.hotpath import label
@@ -472,6 +472,7 @@ class OffloadEngine:
         self.store, self.layout_fields = new, fields
         if old is not None:
             old.close()
+            release_pinned_cache(self.device)  # its pages: pinned blocks of a size the new pages do not reuse
         for chunk in self.nvme:
             self.on_disk.add(chunk.index)
             self._unbind(chunk)

@@ -25,8 +25,9 @@ record. ``memory_breakdown`` counts exactly what a runtime with the placement al
 (The runtime lays a record's fields back to back, each aligned to its own element size: fp32 master
 and fp32 optimizer state leave no gaps.) On a GPU the runtime cuts the pinned part of that host
 memory from a few power-of-two slabs, whose slack, under one shard per slab (about 13% of the pinned
-bytes for equal shards, [Note: pinned memory in slabs] in runtime/hostmem.py), it counts and this
-model does not: the host limit the search fills is 80% of the available memory by default.
+bytes for equal shards, [Note: pinned memory in slabs] in runtime/hostmem.py), and holds each NVMe
+page buffer in a power-of-two block (up to twice the page); it counts both and this model does not:
+the host limit the search fills is 80% of the available memory by default.
 """
 
 from __future__ import annotations

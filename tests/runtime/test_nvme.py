@@ -293,6 +293,28 @@ def test_leftovers_of_dead_processes_on_this_host_are_removed(tmp_path, caplog):
     store.close()
 
 
+def test_a_run_whose_process_looks_gone_but_holds_its_lock_is_kept(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    # another container's job on a shared scratch directory: its pid means nothing in this namespace
+    foreign = tmp_path / f"lightning-elixir-{socket.gethostname()}-{dead_pid()}-rank0-0123abcd"
+    foreign.mkdir()
+    lock = os.open(foreign / ".lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    NvmeStore(tmp_path, rank=0).close()
+    assert foreign.exists()  # its lock is held: in use
+    os.close(lock)  # as the kernel does when that job's process dies
+    NvmeStore(tmp_path, rank=0).close()
+    assert not foreign.exists()
+
+
+def test_pinned_pages_are_counted_as_the_pinned_allocator_rounds_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # counted only: no page is allocated
+    pinned = NvmeStore(tmp_path, rank=0, buffers=3, pin_memory=True)
+    pinned.define(0, 48 << 20)
+    assert pinned.host_bytes == 3 * (64 << 20)  # 48 MiB + the header block: a 64 MiB block each
+    pinned.close()
+
+
 def test_two_stores_of_one_process_and_rank_live_side_by_side(tmp_path):
     first = NvmeStore(tmp_path, rank=0)
     first.define(0, 10)
