@@ -230,19 +230,20 @@ class Chunk:
         with torch._C.DisableTorchFunctionSubclass():  # as in release: no ChunkedParameter dispatch per slot
             for slot in self.slots:
                 slot.param.data = slot.view
-        self._versions = self._param_versions()
+        self._marks = self._param_marks()
         self.bound = True
 
-    def _param_versions(self) -> list[int]:
-        """Each parameter's version counter (which in-place operations on it move)."""
+    def _param_marks(self) -> list[tuple[int, int]]:
+        """Each parameter's version counter (which in-place operations on it move) and data pointer (which
+        assigning its ``.data`` moves)."""
         with torch._C.DisableTorchFunctionSubclass():  # attribute reads: no ChunkedParameter dispatch
-            return [slot.param._version for slot in self.slots]
+            return [(slot.param._version, slot.param.data_ptr()) for slot in self.slots]
 
     def written(self) -> bool:
         """Whether code may have written to the gathered values since they were bound or written back: it
         read them outside the hooks (``exposed``), or an in-place operation on a parameter moved its version
         counter ([Note: writes to parameters])."""
-        return self.exposed or (self.bound and self._param_versions() != self._versions)
+        return self.exposed or (self.bound and self._param_marks() != self._marks)
 
     def write_back(self) -> None:
         """Copy values written to this rank's part of the gathered block into the master shard.
@@ -256,7 +257,10 @@ class Chunk:
         that parameter's version counter, which ``written`` compares with the one it had when its
         view was bound (a list of attribute reads, when a chunk is released and before each
         optimizer step; a write through ``.data`` inside a module's own forward, where nothing is
-        intercepted, moves no counter of the parameter and is not seen).
+        intercepted, moves no counter of the parameter and is not seen). Assigning ``.data`` there (a
+        max-norm constraint, ``w.data = torch.renorm(w.data, ...)``) points the parameter at a tensor of
+        its own, which the comparison finds by the parameter's data pointer: its values are copied
+        into the view and the parameter is bound to it again (``_take_rebound``).
         Every rank runs the same code, so each one compares its own part of the block with its
         compute-dtype shard and copies only the elements that changed into the master: the fp32
         master keeps its precision wherever nothing was written. Where the shard is the block
@@ -265,7 +269,8 @@ class Chunk:
         """
         self.exposed = False
         if self.bound:
-            self._versions = self._param_versions()
+            self._take_rebound()
+            self._marks = self._param_marks()
         own = self.full[self.shard_begin:self.shard_begin + self.shard_numel]
         if self.aliased and self.master is self.shard:
             return  # the writes went to the master itself
@@ -279,6 +284,22 @@ class Chunk:
             self.master.copy_(torch.where(changed, own.to(self.master.dtype), kept))
         if not self.aliased:
             self.shard.copy_(own)
+
+    def _take_rebound(self) -> None:
+        """Parameters whose ``.data`` was assigned where nothing intercepts it (a module's own forward, as
+        a max-norm constraint does it): their values go into their views, which they are bound to again."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot in self.slots:
+                param = slot.param
+                if param.data_ptr() == slot.view.data_ptr():
+                    continue
+                data = param.data
+                if tuple(data.shape) != tuple(slot.shape):
+                    raise RuntimeError(f"{slot.name!r}.data was given a tensor of shape {tuple(data.shape)}: under "
+                                       "the Elixir strategy a parameter's values live in a chunk of fixed layout, "
+                                       f"so its data can only be given new values of its shape {tuple(slot.shape)}")
+                slot.view.copy_(data)
+                param.data = slot.view
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new chunk-sized tensor gathered from every rank's ``shard`` (master, gradient, optimizer state)."""

@@ -563,6 +563,15 @@ class MaskedLinear(nn.Linear):
         return super().forward(x)
 
 
+class LinearWithConstraint(nn.Linear):
+    """Rows renormalised to norm 0.5 by assigning ``.data`` at the start of its own forward, as braindecode's
+    ``LinearWithConstraint`` (EEGNet's max-norm constraint) does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=0.5)
+        return super().forward(x)
+
+
 class WrittenInForward(Classifier):
     def __init__(self, first: type) -> None:
         super().__init__()
@@ -2511,6 +2520,7 @@ CASES: list[Case] = [
          cls_data, trainer=dict(accumulate_grad_batches=2)),
     Case("weight_clamped_in_its_forward", lambda: WrittenInForward(ClampedLinear), cls_data),
     Case("weight_masked_in_its_forward", lambda: WrittenInForward(MaskedLinear), cls_data),
+    Case("weight_data_assigned_in_its_forward_max_norm", lambda: WrittenInForward(LinearWithConstraint), cls_data),
     Case("frozen_integer_index_parameter", FrozenIndexTable, cls_data),
     Case("frozen_bf16_parameter_in_its_dtype", FrozenBf16Table, cls_data),
     Case("float64_layer", Float64Layer, cls_data),

@@ -32,6 +32,8 @@ def test_gpu_waits_are_timed_on_the_stream_while_measuring_and_host_waits_on_the
     """[Note: phases timed on the device]: a stream wait returns at once on the host; what the stream
     lost is what the self-correction must see."""
     monkeypatch.setattr(torch.cuda, "Event", _StreamEvent)
+    streams = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.append(device) or "stream")
     gpu = torch.device("cuda", 0)
     clock = PhaseClock()
     with clock.timing("gather_wait", gpu):
@@ -50,3 +52,4 @@ def test_gpu_waits_are_timed_on_the_stream_while_measuring_and_host_waits_on_the
     assert taken["gather_wait"] == pytest.approx(3.0) and taken["optimizer"] == pytest.approx(0.25)
     assert taken["reduce_wait"] < 0.5 and taken["offload_wait"] < 0.5
     assert clock.take() == dict.fromkeys(taken, 0.0)  # the spans were read once
+    assert streams == [gpu, gpu]  # recorded on the timed device's stream, whichever device is current
