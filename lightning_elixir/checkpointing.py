@@ -7,6 +7,7 @@ sharded format in ``runtime/sharded.py``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any, Optional
@@ -83,8 +84,40 @@ class CheckpointSaver:
             for directory in dirs if problem is None else ():
                 self.atomic_io.remove_leftovers(directory)
         problem = strategy.broadcast(problem)  # every rank raises, instead of the others waiting on rank 0
+        if not problem and getattr(strategy, "state_dict_type", "full") == "sharded" and strategy.world_size > 1:
+            problem = unshared_dirs_problem(strategy, dirs)
         if problem:
             raise ValueError(problem)
+
+
+def unshared_dirs_problem(strategy: Any, dirs: list[str]) -> Optional[str]:
+    """Why a sharded checkpoint cannot be written to ``dirs``: a local directory that some rank does not see as
+    rank 0 does (each node of a cluster without a shared file system has its own). Every rank writes its own
+    files into the checkpoint directory and rank 0 completes it, so a rank whose files land on another disk
+    would leave a directory marked complete without them. Every rank calls this."""
+    local = [d.removeprefix("file://") for d in dirs if "://" not in d or d.startswith("file://")]
+    if not local:
+        return None
+    name = strategy.broadcast(temp_name())  # a leftover name: a killed run's probe is swept like a partial save
+    if strategy.is_global_zero:
+        for directory in local:
+            with open(os.path.join(directory, name), "wb"):
+                pass
+    strategy.barrier()
+    sees = all(os.path.exists(os.path.join(directory, name)) for directory in local)
+    # also a point that every rank reaches only after looking, so the probe can go
+    every = strategy.all_gather(torch.tensor([int(sees)], device=strategy.root_device)).reshape(-1).tolist()
+    if strategy.is_global_zero:
+        for directory in local:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+    blind = [rank for rank, seen in enumerate(every) if not seen]
+    if not blind:
+        return None
+    return (f"state_dict_type='sharded' needs a checkpoint directory that every rank sees (a shared file system): "
+            f"rank(s) {blind} do not see the files rank 0 writes in {local}, so their shards would be missing from "
+            "every checkpoint. Put ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...) on a file system "
+            "shared by all nodes, or use state_dict_type='full' (rank 0 writes one file, as DDP does)")
 
 
 def save_full_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any,

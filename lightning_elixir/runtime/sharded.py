@@ -206,6 +206,15 @@ class _Writer(FileSystemWriter):
             os.remove(marker)
 
     def finish(self, metadata: Metadata, results: list) -> None:
+        # Every rank's files must be here before .metadata marks the directory complete: a rank whose
+        # directory is another disk (a node without the shared file system) wrote them elsewhere.
+        written = sorted({wr.storage_data.relative_path for per_rank in results for wr in per_rank})
+        missing = [name for name in written if not os.path.exists(os.path.join(self._dir, name))]
+        if missing:
+            raise ShardedCheckpointError(
+                f"{self._dir}: {', '.join(missing)}, written by other ranks, are not in the directory rank 0 "
+                "sees: a sharded checkpoint needs a directory shared by every rank (a shared file system); "
+                "use state_dict_type='full' otherwise")
         target = os.path.join(self._dir, META_FILE)
         torch.save(self._meta, target + ".tmp")
         os.replace(target + ".tmp", target)
