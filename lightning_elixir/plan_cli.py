@@ -138,6 +138,8 @@ class ConfigInputs:
     """The ElixirStrategy options in ``_STRATEGY_KEYS`` that the config sets."""
     strategy_is_class: bool
     """Whether the config names the strategy by class_path/init_args (else by a registered name)."""
+    num_nodes: int = 1
+    """``trainer.num_nodes``: the ranks are spread over this many machines, which share no host memory."""
 
 
 class _ConfigReader(LightningCLI):
@@ -171,7 +173,8 @@ def read_config(configs: Sequence[str], overrides: Sequence[str]) -> ConfigInput
         precision=str(_convert_precision_to_unified_args(trainer.precision or "32-true")),
         micro_batches=int(trainer.accumulate_grad_batches), gradient_clip_val=trainer.gradient_clip_val,
         devices=_config_devices(trainer),
-        strategy=_strategy_options(trainer.strategy), strategy_is_class=hasattr(trainer.strategy, "class_path"))
+        strategy=_strategy_options(trainer.strategy), strategy_is_class=hasattr(trainer.strategy, "class_path"),
+        num_nodes=max(1, int(trainer.num_nodes or 1)))
 
 
 def _config_devices(trainer: Any) -> Optional[int]:
@@ -229,7 +232,7 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
         NoPlanFitsError: Nothing fits the budget (the message says what would help).
     """
     policy = PrecisionPolicy.from_flag(inputs.precision)
-    local = _ranks_per_machine(hardware, devices)
+    local = _ranks_per_machine(hardware, devices, inputs.num_nodes)
     budget = _budget_bytes(hardware, device_memory_limit, local)
     host_bytes = _host_bytes(host_memory_limit, local)
     def traced(names: tuple[str, ...] = ()) -> Any:
@@ -248,9 +251,11 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
                           notes=notes + _notes(hardware, devices, host_bytes, early))
 
 
-def _ranks_per_machine(hardware: HardwareProfile, devices: int) -> int:
-    """Ranks that share one machine's host memory: one per device of a node; all of them on the CPU."""
-    return devices if hardware.device_name == "cpu" else max(1, min(devices, hardware.device_count))
+def _ranks_per_machine(hardware: HardwareProfile, devices: int, num_nodes: int = 1) -> int:
+    """Ranks that share one machine's host memory, as ``fit`` counts them (its ``local_world_size``, the
+    Trainer's ``devices``): the ranks of one of ``num_nodes`` machines, at most one per device of a GPU node."""
+    per_machine = -(-devices // max(1, num_nodes))
+    return per_machine if hardware.device_name == "cpu" else max(1, min(per_machine, hardware.device_count))
 
 
 def _budget_bytes(hardware: HardwareProfile, limit: Any, local_world_size: int) -> int:

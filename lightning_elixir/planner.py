@@ -365,6 +365,8 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason, seconds=seconds)
         profile = with_private_params(profile, private_params)
         options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
+        if options.host_memory_bytes is not None:  # every rank runs rank 0's plan: it must fit the tightest machine
+            options = dataclasses.replace(options, host_memory_bytes=_least(options.host_memory_bytes, device, group))
 
         def traced(names: tuple[str, ...]) -> ModelProfile:
             with recomputing(module, names):
@@ -475,9 +477,9 @@ def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dty
 
 
 def _least(budget: int, device: torch.device, group: Group) -> int:
-    """The smallest ``budget`` over ranks on a GPU, where what each process can have differs (on the CPU
-    every rank computes the same)."""
-    if device.type != "cuda" or group.world_size == 1:
+    """The smallest ``budget`` over ranks: what each process can have differs on a GPU, and between machines
+    everywhere (the ranks of another node see its own host memory, and what is available now differs)."""
+    if group.world_size == 1:
         return budget
     values = torch.tensor([-float(budget)], dtype=torch.float64, device=device)
     return int(-collectives.all_reduce_max(values, group).item())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_elixir.demos.gpt import BigramDataModule, GPTLightningModule
-from lightning_elixir import ElixirPlan, ElixirStrategy, cli
+from lightning_elixir import ElixirPlan, ElixirStrategy, cli, plan_cli
 from lightning_elixir.plan_cli import example_batch
 from lightning_elixir.profile import HardwareProfile
 
@@ -163,3 +164,20 @@ def test_hardware_profiles_load_and_gpu_ones_say_they_are_estimates():
         profile = HardwareProfile.from_json(path)
         if profile.device_name != "cpu":
             assert profile.notes and "ESTIMATE" in profile.notes[0], path
+
+
+@pytest.mark.parametrize("hardware", [LOCAL_CPU, A100_X8])
+def test_plan_for_several_nodes_budgets_host_memory_per_machine_as_fit_does(at_root, capsys, hardware):
+    """fit divides a machine's memory among its own ranks (the Trainer's ``devices``); `plan` for a config
+    with num_nodes=2 used to divide it among the ranks of every node (the CPU budget halved)."""
+    budgets = []
+    for nodes in ("1", "2"):
+        cli.main(["plan", "--config", "configs/gpt_cpu.yaml", "--hardware", str(hardware), "--trainer.devices", "2",
+                  "--trainer.num_nodes", nodes, "--host-memory-limit", "8GiB", "--model.init_args.n_layer", "2"])
+        text = capsys.readouterr().out
+        assert f"planning for {2 * int(nodes)} rank(s)" in text
+        budgets.append(re.search(r"budget ([0-9.]+ [KMGT]iB) per rank", text).group(1))
+    assert budgets[0] == budgets[1]
+    hardware_profile = HardwareProfile.from_json(hardware)
+    assert plan_cli._ranks_per_machine(hardware_profile, 4, 2) == 2
+    assert plan_cli._host_bytes("8GiB", plan_cli._ranks_per_machine(hardware_profile, 4, 2)) == 4 << 30

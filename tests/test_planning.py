@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_elixir.demos.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
 from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir import planner
 from lightning_elixir.planner import OffloadSettings, budget_bytes, plan_automatically
 from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.collectives import Group
@@ -195,3 +196,19 @@ def test_a_gpu_budget_is_no_more_than_the_process_can_have(monkeypatch, limit, f
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * gib)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
     assert budget_bytes(torch.device("cuda", 0), limit, 1) == budget_gib * gib
+
+
+def _plan_with_own_host_memory(rank: int, world_size: int) -> int:
+    available = (64 << 30, 4 << 30)[rank]  # node 1 has less memory available than node 0
+    planner._available_host_bytes = lambda: available  # a spawned process: nothing to restore
+    torch.manual_seed(0)
+    result = plan_automatically(GPT(CONFIG), _batch(), device=torch.device("cpu"), group=Group.default(),
+                                compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1, step_fn=_step,
+                                memory_limit=1 << 30, offload=OffloadSettings())
+    return result.options.host_memory_bytes
+
+
+def test_host_memory_for_offloaded_state_is_the_least_over_machines():
+    """Every rank runs rank 0's plan, so it must fit the tightest machine: each rank searched with its own
+    machine's available host memory, and rank 0's plan ran on a node with less (emulated per rank)."""
+    assert run_distributed(_plan_with_own_host_memory, 2) == [int(0.8 * (4 << 30))] * 2
