@@ -237,15 +237,16 @@ def _available_host_bytes() -> int:
 
 def measure_hardware(device: torch.device, group: Group, compute_dtype: torch.dtype,
                      hardware: Optional[Union[HardwareProfile, str]],
-                     nvme_path: Optional[str] = None) -> HardwareProfile:
+                     nvme_path: Optional[str] = None, local_world_size: Optional[int] = None) -> HardwareProfile:
     """The user's HardwareProfile (object or JSON path), or one measured on this process group
-    (with the NVMe drive at ``nvme_path``, when given)."""
+    (with the NVMe drive at ``nvme_path``, when given; ``local_world_size`` ranks per machine)."""
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware is not None:
         return HardwareProfile.from_json(hardware)
     return profile_hardware(
         device, world_size=group.world_size, compute_dtype=compute_dtype, nvme_path=nvme_path,
+        nodes=-(-group.world_size // max(local_world_size or group.world_size, 1)),
         all_gather=lambda out, inp: collectives.all_gather(out, inp, group),
         reduce_scatter=lambda out, inp: collectives.reduce_scatter(out, inp, group))
 
@@ -348,7 +349,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
     clock = time.perf_counter()
     with preserved_rng(cuda=device.type == "cuda"):
         # collective: before anything may fail
-        hw = measure_hardware(device, group, compute_dtype, hardware, offload.nvme_path)
+        hw = measure_hardware(device, group, compute_dtype, hardware, offload.nvme_path, local_world_size)
         budget = _least(budget_bytes(device, memory_limit, local_world_size), device, group)
         seconds["hardware"], clock = time.perf_counter() - clock, time.perf_counter()
         try:

@@ -69,23 +69,30 @@ class MachineKey:
     """torch.__version__."""
     compute_dtype: str
     """dtype of the compute benchmarks (matmul, attention, elementwise)."""
+    nodes: int = 1
+    """Machines the ranks are spread over: collectives between machines run at other speeds than within
+    one, so 4 ranks on one node and 2 on each of two share no profile (in the file name only: a cache
+    directory in a shared home is seen by jobs of either shape)."""
 
     @classmethod
-    def current(cls, device: torch.device, world_size: int, compute_dtype: torch.dtype) -> "MachineKey":
+    def current(cls, device: torch.device, world_size: int, compute_dtype: torch.dtype,
+                nodes: int = 1) -> "MachineKey":
         """The key of this process's machine."""
         name, count = _device_name_and_count(device)
-        return cls(name, count, world_size, torch.__version__, _dtype_name(compute_dtype))
+        return cls(name, count, world_size, torch.__version__, _dtype_name(compute_dtype), max(1, nodes))
 
     def file_name(self) -> str:
         """The cache file name for this key (and the cache format)."""
-        raw = (f"hardware-v{CACHE_FORMAT}-{self.device_name}-x{self.device_count}-ws{self.world_size}"
+        nodes = f"-nodes{self.nodes}" if self.nodes > 1 else ""  # one machine: the names caches always had
+        raw = (f"hardware-v{CACHE_FORMAT}-{self.device_name}-x{self.device_count}-ws{self.world_size}{nodes}"
                f"-torch{self.torch_version}")
         return re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{raw}-{self.compute_dtype}") + ".json"
 
     def matches(self, profile: HardwareProfile) -> bool:
-        """Whether ``profile`` was measured on a machine with this key."""
-        return dataclasses.astuple(self) == (profile.device_name, profile.device_count, profile.world_size,
-                                             profile.torch_version, profile.compute_dtype)
+        """Whether ``profile`` was measured on a machine with this key (``nodes`` is told by the file name)."""
+        return (self.device_name, self.device_count, self.world_size, self.torch_version, self.compute_dtype) == (
+            profile.device_name, profile.device_count, profile.world_size, profile.torch_version,
+            profile.compute_dtype)
 
 
 def profile_hardware(
@@ -98,6 +105,7 @@ def profile_hardware(
     compute_dtype: torch.dtype = torch.float32,
     refresh: bool = False,
     sizes: BenchSizes | None = None,
+    nodes: int = 1,
 ) -> HardwareProfile:
     """Measure (or load from the cache) the speeds the search's cost model needs.
 
@@ -118,6 +126,7 @@ def profile_hardware(
             training compute dtype).
         refresh: Measure even when a valid cached profile exists.
         sizes: Benchmark sizes (default: per device kind, see ``BenchSizes.for_device``).
+        nodes: Machines the ``world_size`` ranks are spread over (part of the cache key).
 
     Returns:
         The HardwareProfile, identical on every rank.
@@ -129,7 +138,7 @@ def profile_hardware(
     device = torch.device(device)
     _check_arguments(world_size, all_gather, reduce_scatter, nvme_path)
     sizes = sizes or BenchSizes.for_device(device)
-    key = MachineKey.current(device, world_size, compute_dtype)
+    key = MachineKey.current(device, world_size, compute_dtype, nodes)
     path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / key.file_name()
     cached = None if refresh else load_cached(path, key)
     if not _usable_on_every_rank(cached, all_gather, world_size, device):

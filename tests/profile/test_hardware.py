@@ -302,3 +302,11 @@ def test_two_ranks_run_the_same_collectives_and_agree(tmp_path):
     assert 0.0 <= measured[0].comm_overlap <= 1.0  # agreed: the same on both ranks (asserted above)
     # One rank without a cache: every rank measures again, with the same collectives.
     assert ranks[0][2]["calls"] == ranks[1][2]["calls"] == ranks[0][0]["calls"]
+
+
+def test_ranks_spread_over_machines_do_not_share_a_profile_with_ranks_on_one(measured, tmp_path):
+    # a cache in a shared home directory: 2 ranks on one node and 2 on two nodes measure other collectives
+    one = MachineKey.current(torch.device("cpu"), 2, torch.float32)
+    two = MachineKey.current(torch.device("cpu"), 2, torch.float32, nodes=2)
+    assert one.file_name() != two.file_name() and "nodes" not in one.file_name()
+    assert two.matches(dataclasses.replace(measured, world_size=2))  # the profile's fields are the same
