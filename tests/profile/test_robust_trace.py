@@ -505,3 +505,18 @@ def test_a_loop_that_ends_only_on_unknown_values_is_given_up(monkeypatch):
     monkeypatch.setattr(AssumedValues, "max_ops", 20_000)
     with pytest.raises(ProfileError, match="more than 20,000 operators"):
         profile_model(Generates(until_end_token=True), _batch())
+
+
+def test_the_operator_cap_is_not_raised_from_a_metadata_query():
+    # torch 2.8 asks prim.device from C++ that cannot pass an exception on: raised there, the process aborted
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_elixir.profile.assumed import AssumedValues
+
+    fake = FakeTensorMode()
+    values = AssumedValues(fake)
+    values.ops = values.max_ops
+    x = fake.from_tensor(torch.ones(2))
+    assert values.__torch_dispatch__(torch.ops.prim.device.default, (), (x,)) == x.device
+    with pytest.raises(ProfileError, match="operators on fake tensors"):
+        values.__torch_dispatch__(torch.ops.aten.add.Tensor, (), (x, x))
