@@ -22,6 +22,7 @@ sampler's shuffle, the workers' base seed), which ``preserved_rng`` puts back.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -36,7 +37,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan
 from lightning_elixir.profile import profile_hardware, profile_model
 from lightning_elixir.profile.fake import StepFn, lightning_step
-from lightning_elixir.profile.preserved import preserved_rng
+from lightning_elixir.profile.preserved import preserved_rng, preserved_state
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
@@ -146,7 +147,13 @@ def stage_of(trainer: Any) -> StageStep:
 
 
 def stage_batch(trainer: Any, step: Optional[StageStep] = None) -> StageBatch:
-    """One batch of the stage's own dataloader, from a fresh iterator (see [Note: planning per stage]).
+    """One batch of the stage's own dataloader, from a fresh iterator (see [Note: planning per stage]),
+    as the step gets it: through the module's (and datamodule's) batch hooks, ``on_before_batch_transfer``,
+    ``transfer_batch_to_device`` and ``on_after_batch_transfer``, as the loop calls them.
+
+    A dataloader that is itself an iterator (a generator passed to ``fit``) has no fresh iterator:
+    the batch taken from it is put back in front of it, so that the run still trains on it
+    ([Note: a batch taken for planning]).
 
     Args:
         trainer: The Trainer, with its data attached (as in ``Strategy.setup``).
@@ -161,12 +168,29 @@ def stage_batch(trainer: Any, step: Optional[StageStep] = None) -> StageBatch:
         raise ValueError(f"there is no {source.name}() to take a batch from for the {step.stage} stage")
     loaders = source.dataloader()
     loaders = getattr(loaders, "iterables", loaders)  # a CombinedLoader: the loaders it combines
+    put_back: dict[int, Any] = {}
     if step.backward:  # training draws from every loader at once (Lightning's "max_size_cycle")
-        return StageBatch(step, _apply(loaders, lambda loader: _first(loader, step)), None)
-    flat = _flatten(loaders)
-    if not flat:
-        raise ValueError(f"{source.name}() returned no dataloader for the {step.stage} stage")
-    return StageBatch(step, _first(flat[0], step), 0 if len(flat) > 1 else None)
+        batch, dataloader_idx = _apply(loaders, lambda loader: _first(loader, step, put_back)), None
+    else:
+        flat = _flatten(loaders)
+        if not flat:
+            raise ValueError(f"{source.name}() returned no dataloader for the {step.stage} stage")
+        batch, dataloader_idx = _first(flat[0], step, put_back), 0 if len(flat) > 1 else None
+    if put_back and not source.is_module() and source.instance is loaders:
+        source.instance = _apply(loaders, lambda loader: put_back.get(id(loader), loader))
+    # the loops pass dataloader_idx=0 to the batch hooks in training, and for an evaluation's first loader
+    return StageBatch(step, _through_batch_hooks(trainer, batch, 0), dataloader_idx)
+
+
+def _through_batch_hooks(trainer: Any, batch: Any, dataloader_idx: int) -> Any:
+    """``batch`` as the loop hands it to the step: the batch hooks run on it, and it is on the device."""
+    module = getattr(trainer, "lightning_module", None)
+    strategy = getattr(trainer, "strategy", None)
+    if module is None or strategy is None or not hasattr(module, "_on_before_batch_transfer"):
+        return batch
+    with preserved_state(module):  # a hook that counts or caches must not see the planning batch
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+        return strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
 
 
 def device_total_bytes(device: torch.device, local_world_size: int) -> int:
@@ -495,15 +519,26 @@ def _agree(plan: ElixirPlan, group: Group) -> ElixirPlan:
     return ElixirPlan.from_json(box[0])
 
 
-def _first(loader: Any, step: StageStep) -> Any:
-    """The first batch of a fresh iterator of ``loader``."""
+def _first(loader: Any, step: StageStep, put_back: Optional[dict[int, Any]] = None) -> Any:
+    """The first batch of a fresh iterator of ``loader``.
+
+    [Note: a batch taken for planning]
+    Lightning takes any iterable as a dataloader, a generator or another iterator too, and ``iter``
+    of an iterator is the iterator itself: the batch planning takes is gone from the run, which
+    then trains on one batch less than under DDP, each rank shifted by one. For such a loader,
+    ``put_back`` gets an iterator that yields the batch first and then the rest, for the caller to
+    put in the loader's place."""
     iterator = iter(loader)
     try:
-        return next(iterator)
+        batch = next(iterator)
     except StopIteration as err:
         raise ValueError(f"the {step.stage} dataloader is empty; plan='auto' profiles one batch of it") from err
     finally:
+        one_shot = iterator is loader
         del iterator  # shuts down its worker processes, if any
+    if one_shot and put_back is not None:
+        put_back[id(loader)] = itertools.chain([batch], loader)
+    return batch
 
 
 def _apply(loaders: Any, fn: Callable[[Any], Any]) -> Any:

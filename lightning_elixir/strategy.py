@@ -67,6 +67,7 @@ from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.calibrate import SelfCorrection
 from lightning_elixir.toggling import install_toggling, remove_toggling
+from lightning_elixir.uneven import UnevenSteps
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +292,8 @@ class ElixirStrategy(ParallelStrategy):
         self._step_args: tuple[tuple, dict] = ((), {})
         self._counted_step: Optional[int] = None
         self._recomputation: Optional[Recomputation] = None
-        self._last_predict: Optional[tuple[tuple, dict]] = None
-        self._predict_behind = 0
-        """Predict steps this rank runs fewer than another ([Note: uneven predict batches])."""
+        self._uneven = UnevenSteps(self, lambda: self._step(evaluating=True))
+        """Evaluation and predict steps evened out over the ranks (uneven.py)."""
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None
         self._finished: Optional[ElixirRuntime] = None
@@ -707,68 +707,51 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._uneven.before_eval_step("validation_step", args, kwargs)
         with self._step(evaluating=True):
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+        self._uneven.after_eval_step()
+        return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._uneven.before_eval_step("test_step", args, kwargs)
         with self._step(evaluating=True):
-            return super().test_step(*args, **kwargs)
+            output = super().test_step(*args, **kwargs)
+        self._uneven.after_eval_step()
+        return output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._last_predict = (args, kwargs)
+        self._uneven.before_predict_step(args, kwargs)
         with self._step(evaluating=True):
             return super().predict_step(*args, **kwargs)
 
     @override
+    def on_validation_start(self) -> None:
+        self._uneven.begin_eval()  # [Note: uneven evaluation batches] in uneven.py
+
+    @override
+    def on_test_start(self) -> None:
+        self._uneven.begin_eval()
+
+    @override
     def on_predict_start(self) -> None:
-        self._last_predict, self._predict_behind = None, self._predict_steps_behind()
-
-    def _predict_steps_behind(self) -> int:
-        """How many predict steps fewer this rank runs than the rank that runs the most.
-
-        [Note: uneven predict batches]
-        Lightning's predict sampler does not pad the data (it would repeat samples in the predictions), so
-        ranks may run different numbers of predict steps. Under DDP a predict step issues no collective;
-        a plan that gathers chunks per module does. So the ranks agree on the most steps any runs, and a
-        rank with fewer runs the difference again on its last batch at the end (``on_predict_end``), its
-        outputs dropped: the extra gathers of the others then have partners. A rank with no batch at
-        all has nothing to run them on, and says so. Plans that keep every chunk gathered skip this."""
-        runtime, trainer = self.runtime, self.lightning_module.trainer
-        if runtime is None or runtime.resident or runtime.group.world_size == 1:
-            return 0
-        counts = trainer.num_predict_batches
-        mine = float(sum(counts))
-        if mine == float("inf"):
-            return 0  # an iterable dataset of unknown length: its steps are the user's to keep equal
-        most = int(agreed_max(torch.tensor([mine], device=self.root_device), runtime.group)[0])
-        if mine == 0 and most > 0:
-            raise ValueError(f"rank {self.global_rank} has no predict batch while others have up to {most}: with a "
-                             "plan that gathers chunks per module every rank must run the model, so give predict "
-                             "at least one batch per rank (more samples, or a smaller batch size)")
-        return most - int(mine)
-
-    def _catch_up_predict(self) -> None:
-        """Run the steps this rank is behind on its last batch, outputs dropped ([Note: uneven predict batches])."""
-        behind, self._predict_behind = self._predict_behind, 0
-        if behind and self._last_predict is not None:
-            args, kwargs = self._last_predict
-            for _ in range(behind):
-                with self._step(evaluating=True), torch.no_grad():
-                    self.lightning_module.predict_step(*args, **kwargs)
+        self._uneven.begin_predict()  # [Note: uneven predict batches] in uneven.py
 
     @override
     def on_validation_end(self) -> None:
+        self._uneven.catch_up_eval()
         self._check_agreement()
 
     @override
     def on_test_end(self) -> None:
+        self._uneven.catch_up_eval()
         self._check_agreement()
 
     @override
     def on_predict_end(self) -> None:
-        self._catch_up_predict()
+        self._uneven.catch_up_predict()
         self._check_agreement()
 
     def _check_agreement(self) -> None:

@@ -2700,13 +2700,264 @@ CASES: list[Case] = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Loops, stopping and the data pipeline
 
 
+class _Uint8Images(Dataset):
+    """uint8 images (0..255) and labels: the module converts them in on_after_batch_transfer."""
+
+    def __init__(self, seed: int) -> None:
+        g = _g(seed)
+        self.x = torch.randint(0, 256, (32, 3, 8, 8), generator=g, dtype=torch.uint8)
+        self.y = torch.randint(0, 4, (32,), generator=g)
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> Any:
+        return {"pixels": self.x[i], "label": self.y[i]}
 
 
+class TransferHooks(Classifier):
+    """on_before_batch_transfer (dict -> tuple) and on_after_batch_transfer (uint8 -> normalised float)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(8, 4))
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch["pixels"], batch["label"]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return (x.float() / 255.0 - 0.5) / 0.25, y
 
 
+def _uint8_data() -> dict[str, DataLoader]:
+    return dict(train=loader(_Uint8Images(0)), val=loader(_Uint8Images(1)))
 
+
+@dataclass
+class _Sample:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _DataclassSet(Dataset):
+    def __init__(self, seed: int) -> None:
+        self.base = cls_set(seed=seed)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.base[i]
+        return _Sample(x, y)
+
+
+def _collate_dataclass(items: list) -> _Sample:
+    return _Sample(torch.stack([s.x for s in items]), torch.stack([s.y for s in items]))
+
+
+class _Wrapped:
+    """A batch type Lightning cannot move: the module's transfer_batch_to_device does."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.payload = {"x": x, "y": y}
+
+
+def _collate_wrapped(items: list) -> _Wrapped:
+    return _Wrapped(torch.stack([s.x for s in items]), torch.stack([s.y for s in items]))
+
+
+class DataclassBatch(Classifier):
+    def __init__(self, wrapped: bool = False) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+        self.wrapped = wrapped
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        if isinstance(batch, _Wrapped):
+            return (batch.payload["x"].to(device), batch.payload["y"].to(device))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, _Sample):
+            return F.cross_entropy(self(batch.x), batch.y)
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def _dataclass_data(wrapped: bool = False) -> Callable[[], dict[str, DataLoader]]:
+    collate = _collate_wrapped if wrapped else _collate_dataclass
+    return lambda: dict(train=loader(_DataclassSet(0), collate_fn=collate), val=loader(_DataclassSet(1), collate_fn=collate))
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset, split by rank by hand."""
+
+    def __init__(self, seed: int, n: int = 32) -> None:
+        self.base = cls_set(n=n, seed=seed)
+
+    def __iter__(self) -> Any:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for i in range(rank, len(self.base), world):
+            yield self.base[i]
+
+
+class _OneShotStream(torch.utils.data.IterableDataset):
+    """A stream that can be read once (a queue, a socket, a generator handed in): every iterator continues it."""
+
+    def __init__(self, seed: int, n: int = 32) -> None:
+        self.base = cls_set(n=n, seed=seed)
+        self.it: Any = None
+
+    def __iter__(self) -> Any:
+        import torch.distributed as dist
+
+        if self.it is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self.it = (self.base[i] for i in range(rank, len(self.base), world))
+        return self.it
+
+
+def _stream_data(one_shot: bool = False) -> Callable[[], dict[str, DataLoader]]:
+    make = _OneShotStream if one_shot else _Stream
+    return lambda: dict(train=loader(make(0)), val=loader(_Stream(1)))
+
+
+def _generator_data() -> dict[str, Any]:
+    """A generator of this rank's batches handed to fit (Lightning takes any iterable): it can be read once."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    batches = list(loader(cls_set(seed=0)))[rank::2]
+    return dict(train=(b for b in batches), val=loader(cls_set(seed=1)))
+
+
+class TwoTrainLoaders(Classifier):
+    """Several training dataloaders, as a dict (CombinedLoader modes) or a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        if isinstance(batch, dict):
+            parts = [self.loss(b) for b in batch.values() if b is not None]
+            loss = sum(parts) / len(parts)
+        else:
+            loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _combined_data(mode: str) -> Callable[[], dict[str, Any]]:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def make() -> dict[str, Any]:
+        train = {"a": loader(cls_set(seed=0)), "b": loader(cls_set(n=16, seed=3))}
+        return dict(train=CombinedLoader(train, mode=mode), val=loader(cls_set(seed=1)))
+
+    return make
+
+
+def traced(run: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``run``, then whether plan="auto" traced the step rather than falling back (True under DDP and
+    explicit plans): a plan searched for another batch than the step's would be sized wrongly."""
+
+    def wrapped(ctx: Any) -> None:
+        run(ctx)
+        ctx.extras["traced"] = [getattr(getattr(t.strategy, "planning", None), "fallback_reason", None) is None
+                                for t in ctx.trainers]
+
+    return wrapped
+
+
+def fit_twice_raising_max_epochs(ctx: Any) -> None:
+    trainer = ctx.trainer(max_epochs=1)
+    trainer.fit(ctx.model, ctx.data["train"], ctx.data["val"])
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(ctx.model, ctx.data["train"], ctx.data["val"])
+
+
+def fit_validate_test_predict(ctx: Any) -> None:
+    trainer = ctx.trainer()
+    trainer.fit(ctx.model, ctx.data["train"], ctx.data["val"])
+    ctx.extras["validate"] = trainer.validate(ctx.model, ctx.data["val"], verbose=False)
+    ctx.extras["test"] = trainer.test(ctx.model, ctx.data["val"], verbose=False)
+    out = trainer.predict(ctx.model, ctx.data["val"])
+    ctx.extras["predictions"] = torch.cat([o.detach().float() for o in out])
+
+
+def resume_from_last(ctx: Any) -> None:
+    """ModelCheckpoint(save_last=True, every 1 step, top 2 by train_loss); a second Trainer resumes from "last"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    dirpath = str(ctx.root.parent / "ckpt")  # one directory for every rank
+    cb = ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=1, save_top_k=2, monitor="train_loss")
+    ctx.trainer(callbacks=[cb], enable_checkpointing=True, max_steps=3).fit(ctx.model, ctx.data["train"])
+    ctx.extras["best_k"] = sorted(float(v) for v in cb.best_k_models.values())
+    cb2 = ModelCheckpoint(dirpath=dirpath, save_last=True)
+    ctx.trainer(callbacks=[cb2], enable_checkpointing=True, max_epochs=2).fit(
+        ctx.model, ctx.data["train"], ckpt_path="last")
+
+
+class SyncLogged(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True, on_epoch=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+
+def _early_stopping(on_train_epoch_end: bool) -> Callable[[], Callback]:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    monitor = "train_loss_epoch" if on_train_epoch_end else "val_loss"
+    return lambda: EarlyStopping(monitor=monitor, patience=0, min_delta=10.0, check_on_train_epoch_end=on_train_epoch_end)
+
+
+def _uneven_val_data() -> dict[str, Any]:
+    """Validation from an iterable dataset split by rank: 33 samples, so rank 0 runs 5 batches and rank 1 4."""
+    return dict(train=loader(cls_set(seed=0)), val=loader(_Stream(1, n=33)))
+
+
+def fit_then_validate_uneven(ctx: Any) -> None:
+    fit(ctx)
+    ctx.extras["validate"] = ctx.trainers[-1].validate(ctx.model, ctx.data["val"], verbose=False)
+
+
+CASES += [
+    Case("uneven_validation_batches_per_rank", SequentialMLP, _uneven_val_data, run=fit_then_validate_uneven,
+         trainer=dict(limit_val_batches=1.0)),
+    Case("uneven_validation_batches_per_rank_sync_dist", SyncLogged, _uneven_val_data, run=fit_then_validate_uneven,
+         trainer=dict(limit_val_batches=1.0)),
+    Case("uneven_test_batches_per_rank", SequentialMLP, lambda: dict(test=loader(_Stream(2, n=33))),
+         run=run_test_only, trains=False, trainer=dict(limit_test_batches=1.0)),
+    Case("batch_transfer_hooks_uint8", TransferHooks, _uint8_data, run=traced(fit_validate_test_predict)),
+    Case("dataclass_batch", DataclassBatch, _dataclass_data()),
+    Case("transfer_batch_to_device_override", lambda: DataclassBatch(True), _dataclass_data(True), run=traced(fit)),
+    Case("iterable_dataset", SequentialMLP, _stream_data()),
+    Case("generator_as_train_data", SequentialMLP, _generator_data),
+    Case("combined_max_size_cycle", TwoTrainLoaders, _combined_data("max_size_cycle")),
+    Case("fit_twice_raising_max_epochs", SequentialMLP, cls_data, run=fit_twice_raising_max_epochs),
+    Case("resume_from_last", lambda: WithOptimizer("adamw"), cls_data, run=resume_from_last),
+    Case("early_stopping_validation_end", SyncLogged, cls_data, trainer=dict(max_epochs=4),
+         run=fit_with(_early_stopping(False))),
+]
 
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
