@@ -292,7 +292,7 @@ class ElixirStrategy(ParallelStrategy):
         self._step_args: tuple[tuple, dict] = ((), {})
         self._counted_step: Optional[int] = None
         self._recomputation: Optional[Recomputation] = None
-        self._uneven = UnevenSteps(self, lambda: self._step(evaluating=True))
+        self._uneven = UnevenSteps(self)
         """Evaluation and predict steps evened out over the ranks (uneven.py)."""
         self.num_nodes = 1
         self.runtime: Optional[ElixirRuntime] = None

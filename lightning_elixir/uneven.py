@@ -10,8 +10,8 @@ keep every chunk gathered (and one rank) need none of it and skip it.
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Optional
 
 import torch
 
@@ -37,12 +37,12 @@ class UnevenSteps:
     """Evens out one strategy's evaluation and predict steps over the ranks.
 
     Args:
-        strategy: the ElixirStrategy (its runtime, module, trainer and device are read when needed).
-        step: the strategy's context for one evaluation step (``_step(evaluating=True)``).
+        strategy: the ElixirStrategy (its runtime, module, trainer and device are read when needed, and
+            its ``_step(evaluating=True)`` runs a repeated step).
     """
 
-    def __init__(self, strategy: Any, step: Callable[[], AbstractContextManager]) -> None:
-        self.strategy, self.step = strategy, step
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
         self._eval = False
         """Whether this validation/test loop's steps announce themselves."""
         self._last_eval: Optional[tuple[str, tuple, dict]] = None
@@ -96,7 +96,8 @@ class UnevenSteps:
                                  "with a plan that gathers chunks per module every rank must run the model, so give "
                                  "each rank at least one batch")
             hook, args, kwargs = self._last_eval
-            with self.step(), torch.no_grad(), preserved_state(module), _logging_dropped(module):
+            with self.strategy._step(evaluating=True), torch.no_grad(), preserved_state(module), \
+                    _logging_dropped(module):
                 getattr(module, hook)(*args, **kwargs)
         self._last_eval = None
 
@@ -132,5 +133,5 @@ class UnevenSteps:
         if behind and self._last_predict is not None:
             args, kwargs = self._last_predict
             for _ in range(behind):
-                with self.step(), torch.no_grad():
+                with self.strategy._step(evaluating=True), torch.no_grad():
                     self.strategy.lightning_module.predict_step(*args, **kwargs)
