@@ -37,7 +37,8 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _pow2_ceil(n: int) -> int:
+def pow2_ceil(n: int) -> int:
+    """The smallest power of two not below ``n``: what torch's pinned allocator holds for a block of ``n`` bytes."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -56,7 +57,7 @@ def slab_plan(sizes: Sequence[int], rounds: bool) -> list[tuple[int, list[int]]]
     while todo:
         left = sum(_aligned(sizes[i]) for i in todo)
         largest = _aligned(sizes[todo[0]])
-        whole = _pow2_ceil(left)
+        whole = pow2_ceil(left)
         if whole - left <= largest:  # one more slab holds the rest with no more slack than a step down would
             slabs.append((whole, todo))
             break

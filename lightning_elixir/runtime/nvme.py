@@ -56,6 +56,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from lightning_elixir.runtime.hostmem import pow2_ceil
+
 log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096
@@ -333,7 +335,7 @@ class NvmeStore:
         Pinned pages hold a power of two each: torch's pinned allocator rounds every block up to one
         ([Note: pinned memory in slabs] in hostmem.py), a page of 48 MiB holds 64."""
         page = self.page_bytes + HEADER_BYTES
-        return self._buffers * (1 << (page - 1).bit_length() if self._pin else page)
+        return self._buffers * (pow2_ceil(page) if self._pin else page)
 
     def acquire(self) -> Page:
         """A free page; allocates one while fewer than ``buffers`` exist, else blocks until one is released."""
