@@ -196,10 +196,7 @@ class AccessGuard:
         if in_backward() or not isinstance(value, torch.Tensor):
             return False
         chunk, slot = self.table.where(param)
-        if tuple(value.shape) != tuple(slot.shape) or value.is_complex() != param.is_complex():
-            raise RuntimeError(f"{slot.name!r}.data = a tensor of shape {tuple(value.shape)} and dtype {value.dtype}: "
-                               "under the Elixir strategy a parameter's values live in a chunk of fixed layout, so "
-                               f"its data can only be given new values of its shape {tuple(slot.shape)} (copied in)")
+        slot.check_new_data(value)
         self.on_param_read(param)  # gathered and held, or an error that says where it can be written
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
             param.data.copy_(value)

@@ -57,6 +57,14 @@ class Slot:
     def end(self) -> int:
         return self.offset + self.numel
 
+    def check_new_data(self, value: torch.Tensor) -> None:
+        """``.data = value`` for this slot's parameter: values of its shape (and kind, real or complex) are
+        copied into its view; anything else cannot live in the chunk's fixed layout."""
+        if tuple(value.shape) != tuple(self.shape) or value.is_complex() != self.dtype.is_complex:
+            raise RuntimeError(f"{self.name!r}.data = a tensor of shape {tuple(value.shape)} and dtype {value.dtype}: "
+                               "under the Elixir strategy a parameter's values live in a chunk of fixed layout, so "
+                               f"its data can only be given new values of its shape {tuple(self.shape)} (copied in)")
+
 
 class Chunk:
     """A flat, sharded buffer of parameters with its gradient and master shards."""
@@ -294,10 +302,7 @@ class Chunk:
                 if param.data_ptr() == slot.view.data_ptr():
                     continue
                 data = param.data
-                if tuple(data.shape) != tuple(slot.shape):
-                    raise RuntimeError(f"{slot.name!r}.data was given a tensor of shape {tuple(data.shape)}: under "
-                                       "the Elixir strategy a parameter's values live in a chunk of fixed layout, "
-                                       f"so its data can only be given new values of its shape {tuple(slot.shape)}")
+                slot.check_new_data(data)
                 slot.view.copy_(data)
                 param.data = slot.view
 

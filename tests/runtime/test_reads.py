@@ -181,6 +181,29 @@ def test_reads_outside_any_region_raise_and_detached_reads_are_copies():
     model(x)  # a plain module again: no hooks, no collectives
 
 
+class _RenormedInForward(nn.Linear):
+    def __init__(self, given: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(4, 3, bias=False)
+        self.given = given
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.data = self.given(self.weight.data)  # where nothing intercepts it
+        return super().forward(x)
+
+
+def test_data_that_does_not_fit_the_layout_is_refused_wherever_it_is_assigned():
+    torch.manual_seed(0)
+    model = _RenormedInForward(lambda w: torch.cat([w, w]))
+    runtime = ElixirRuntime(model, ElixirPlan(cache_blocks="all"))
+    with runtime.gathered(), pytest.raises(RuntimeError, match=r"'weight'.data = a tensor of shape \(2, 4\)"):
+        model.weight.data = torch.zeros(2, 4)  # outside the hooks: the runtime copies it in, or refuses
+    with runtime.gathered(), pytest.raises(RuntimeError, match="complex64.*fixed layout"):
+        model.weight.data = torch.zeros(3, 4, dtype=torch.complex64)
+    model(torch.randn(2, 4))  # inside its own forward: found when the chunk is written back
+    with pytest.raises(RuntimeError, match=r"'weight'.data = a tensor of shape \(6, 4\).*fixed layout"):
+        runtime.release_all()
+
+
 def test_module_zero_grad_clears_the_sharded_gradients():
     torch.manual_seed(0)
     model = TiedHead()
