@@ -11,7 +11,7 @@ import os
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -707,17 +707,17 @@ class ElixirStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._uneven.before_eval_step("validation_step", args, kwargs)
-        with self._step(evaluating=True):
-            output = super().validation_step(*args, **kwargs)
-        self._uneven.after_eval_step()
-        return output
+        return self._evaluation_step("validation_step", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._uneven.before_eval_step("test_step", args, kwargs)
+        return self._evaluation_step("test_step", super().test_step, args, kwargs)
+
+    def _evaluation_step(self, hook: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A validation or test step, evened out over the ranks ([Note: uneven evaluation batches])."""
+        self._uneven.before_eval_step(hook, args, kwargs)
         with self._step(evaluating=True):
-            output = super().test_step(*args, **kwargs)
+            output = step(*args, **kwargs)
         self._uneven.after_eval_step()
         return output
 
