@@ -24,7 +24,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer import call
@@ -45,6 +45,7 @@ from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model,
                                             save_full_checkpoint, save_sharded_checkpoint,
                                             sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
+from lightning_elixir.finetuning import install_finetuning, remove_finetuning
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
@@ -120,14 +121,6 @@ def _refuse_unsupported_callbacks(trainer: Any) -> None:
     """Refuse, before any work, Lightning callbacks that cannot work on sharded parameters, saying what works."""
     for cb in trainer.callbacks:
         name = type(cb).__name__
-        if isinstance(cb, BaseFinetuning):
-            raise ValueError(
-                f"{name} (a BaseFinetuning callback) does not work with the Elixir strategy: it looks up the "
-                "optimizer's parameters by identity, and the optimizer holds shards of them. Freeze and unfreeze "
-                "with requires_grad instead, which the strategy follows: build the optimizer over every parameter "
-                "in configure_optimizers (a param group per learning rate; frozen parameters are skipped until "
-                "they get gradients), freeze in the module, and set requires_grad=True on the layers to unfreeze "
-                "in a callback's on_train_epoch_start.")
         if isinstance(cb, ModelPruning):
             raise ValueError(
                 f"{name} does not work with the Elixir strategy: it ranks and masks the parameters at epoch ends, "
@@ -432,6 +425,7 @@ class ElixirStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             install_toggling(self.lightning_module)  # [Note: toggling optimizers]
+            install_finetuning(self, trainer)  # [Note: finetuning callbacks]
             self._after_step.install(self.lightning_module)
             self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
         self.setup_precision_plugin()
@@ -919,6 +913,7 @@ class ElixirStrategy(ParallelStrategy):
         remove_averages(self._averaging)
         self._averaging = []
         remove_toggling(self.lightning_module)
+        remove_finetuning(getattr(self.lightning_module, "_trainer", None))
         self._after_step.remove(self.lightning_module)
         if self.runtime is not None and not self._failed:
             self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
