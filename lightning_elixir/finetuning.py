@@ -25,6 +25,12 @@ parameter, whichever plan runs):
   again, as they did when the checkpoint was saved (Lightning's own restore leaves them frozen by
   ``freeze_before_training``, so a resumed run under another strategy trains the head only).
 
+The plan is made, and the runtime built, as if every parameter trained (``planned_trainable``): the
+callback froze the backbone in its ``setup``, before planning, and will unfreeze it, after which a
+plan that counted no gradients or optimizer state for it could run out of memory. Until then the
+frozen parameters' share of the plan is spare room. (A parameter the module itself keeps frozen for
+good is counted too: the callback does not say which parameters it will unfreeze.)
+
 A callback that calls ``BaseFinetuning.unfreeze_and_add_param_group`` through the class, not
 ``self``, gets Lightning's comparison; ``add_param_group`` still skips parameters the optimizer
 already holds. Teardown gives each callback its own methods back.
@@ -32,7 +38,8 @@ already holds. Teardown gives each callback its own methods back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -49,6 +56,21 @@ def install_finetuning(strategy: Any, trainer: Any) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, BaseFinetuning) and "filter_on_optimizer" not in cb.__dict__:
             _Translation(strategy, trainer, cb).install()
+
+
+@contextmanager
+def planned_trainable(module: nn.Module, trainer: Any) -> Iterator[None]:
+    """With a ``BaseFinetuning`` callback: every parameter of ``module`` trainable inside (see the note)."""
+    frozen = []
+    if any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks):
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 def remove_finetuning(trainer: Any) -> None:
@@ -120,12 +142,10 @@ class _Translation:
             stored = cb._internal_optimizer_metadata.get(index)
             if stored is None:
                 continue
-            configured = len(optimizer.param_groups)  # configure_optimizers' groups; the rest were added
+            for group in stored[len(optimizer.param_groups):]:  # beyond configure_optimizers': added ones
+                for name in group["params"]:
+                    named[name].requires_grad_(True)  # before its view is made, which copies the flag
             optimizer.param_groups = self._apply_mapping_to_param_groups(stored, named)
-            index_of = runtime.view_index()
-            for group in optimizer.param_groups[configured:]:
-                for view in group["params"]:
-                    index_of[id(view)][1].param.requires_grad_(True)
-            runtime.offload.reattach(optimizer, index_of)
+            runtime.offload.reattach(optimizer, runtime.view_index())
         runtime.follow_requires_grad()
         cb._restarting = False

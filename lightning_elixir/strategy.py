@@ -45,7 +45,7 @@ from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model,
                                             save_full_checkpoint, save_sharded_checkpoint,
                                             sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
-from lightning_elixir.finetuning import install_finetuning, remove_finetuning
+from lightning_elixir.finetuning import install_finetuning, planned_trainable, remove_finetuning
 from lightning_elixir.launcher import ElixirSpawnLauncher
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
@@ -418,7 +418,8 @@ class ElixirStrategy(ParallelStrategy):
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
             self._finished = None
             self.model = self.precision_plugin.convert_module(self.model)
-            self.runtime = self._build_runtime(trainer)
+            with planned_trainable(self.model, trainer):  # [Note: finetuning callbacks]
+                self.runtime = self._build_runtime(trainer)
             self.precision_plugin.runtime = self.runtime
         else:  # the last stage's runtime (its recomputation was taken off if that stage failed)
             self._recompute(self.runtime.plan)

@@ -7,11 +7,13 @@ each parameter, so no shard view is a parameter):
   sees both ranks' batches. (Not DDP's: DDP leaves parameters frozen when it wraps the module out of
   its gradient reduction, so after the unfreezing each rank trains the backbone on its own batches.)
 - a fit resumed after the unfreezing, from a full or a sharded checkpoint, ends with the
-  uninterrupted fit's weights bit for bit (the added group rebuilt before its moments are loaded).
+  uninterrupted fit's weights bit for bit (the added group rebuilt before its moments are loaded);
+- plan="auto" plans for the backbone as trainable, though the callback froze it before planning.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_elixir import ElixirStrategy
+from tests.search.profiles import hardware
 from tests.test_resume import COLLECTIVE_TIMEOUT, fit_on_ranks
 
 EPOCHS = 3
@@ -105,3 +108,18 @@ def test_a_fit_resumed_after_the_unfreezing_ends_with_the_uninterrupted_weights(
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
     assert torch.load(runs[f"resumed-{fmt}"] / "lrs.pt") == torch.load(runs[fmt] / "lrs.pt")
+
+
+def test_auto_plans_for_the_backbone_the_callback_will_unfreeze(caplog):
+    """The callback freezes the backbone before planning; the plan still counts its gradients and optimizer
+    state, which it needs once the backbone trains (no warning that memory may exceed the plan then)."""
+    model = Finetuned()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=ElixirStrategy(plan="auto", hardware_profile=hardware(), replan=False),
+                        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    with caplog.at_level(logging.WARNING):
+        trainer.fit(model)
+    assert all(info.requires_grad for info in trainer.strategy.planning.model_profile.params)
+    assert not any("frozen when the plan was made" in r.getMessage() for r in caplog.records)
+    assert all(p.requires_grad for p in model.parameters())  # unfrozen, and trained: the flags are the module's
