@@ -52,6 +52,10 @@ class Slot:
     dtype: torch.dtype = torch.float32
     """The parameter's dtype before chunking (teardown gives it back in this dtype)."""
     view: Optional[torch.Tensor] = None
+    stride: Optional[tuple[int, ...]] = None
+    """The parameter's strides before chunking where they were not the contiguous ones (a channels_last
+    convolution weight, a transposed tensor), else None: teardown gives its values back in that layout,
+    as DDP leaves it. Within the chunk its values are in row-major order, as for any parameter."""
 
     @property
     def end(self) -> int:

@@ -164,7 +164,8 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
     for index, (spec, full, own, compute, master) in enumerate(zip(specs, fulls, owns, computes, masters)):
         members = [params[name] for name in spec.params]
         offsets = slot_offsets([p.numel() for p in members])
-        slots = [Slot(n, p, off, p.numel(), p.shape, p.dtype) for n, p, off in zip(spec.params, members, offsets)]
+        slots = [Slot(n, p, off, p.numel(), p.shape, p.dtype, stride=dense_stride(p))
+                 for n, p, off in zip(spec.params, members, offsets)]
         reduce = own or (torch.float32 if full and policy.master_dtype == torch.float32 else policy.reduce_dtype)
         state_device = device if spec.placement == "device" else torch.device("cpu")
         chunks.append(Chunk(index, spec, slots, group, device, compute, master, reduce,
@@ -175,6 +176,24 @@ def build_chunks(module: nn.Module, specs: tuple[ChunkSpec, ...], group: Group, 
         for chunk in chunks:
             chunk.release()
     return chunks
+
+
+def dense_stride(p: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """``p``'s strides when it is dense but not contiguous (channels_last, transposed); else None.
+
+    A parameter the runtime had before (re-chunked after ``detach_module``, whose placeholders are
+    expanded) keeps the strides it was first chunked with."""
+    kept = getattr(p, "_elixir_stride", None)
+    if kept is not None:
+        return kept
+    if p.is_meta or p.is_contiguous():
+        return None
+    expected = 1  # dense and not overlapping: the strides, smallest first, step through every element once
+    for stride, size in sorted((stride, size) for stride, size in zip(p.stride(), p.shape) if size > 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(p.stride())
 
 
 def _replace_meta_params(module: nn.Module, device: torch.device) -> None:

@@ -498,6 +498,8 @@ class ElixirRuntime:
                 unchunk_parameter(slot.param)
                 one = torch.empty(1, dtype=slot.dtype, device=self.device)
                 slot.param.data = one.expand(slot.shape) if len(slot.shape) else one[0]
+                if slot.stride is not None:  # for the chunks it is put in next (layout.dense_stride)
+                    slot.param._elixir_stride = slot.stride
                 slot.param.grad = None
         self.remove_hooks()
         self.offload.close()
@@ -526,7 +528,13 @@ class ElixirRuntime:
                     full = chunk.gather_full(chunk.master)
                 for slot in chunk.slots:
                     unchunk_parameter(slot.param)
-                    slot.param.data = full[slot.offset:slot.end].view(slot.shape).to(slot.dtype, copy=True)
+                    values = full[slot.offset:slot.end].view(slot.shape)
+                    if slot.stride is None:
+                        slot.param.data = values.to(slot.dtype, copy=True)
+                    else:  # in the layout it came with (channels_last, transposed), as DDP leaves it
+                        slot.param.data = torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype,
+                                                              device=values.device).copy_(values)
+                    slot.param.__dict__.pop("_elixir_stride", None)
                     slot.param.grad = None
                 del full
         self.remove_hooks()

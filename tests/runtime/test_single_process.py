@@ -342,3 +342,46 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_loads():
         load_full_state_dict(runtime, bad)
     after = full_state_dict(runtime, everywhere=True)
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+class _Strided(nn.Module):
+    """A channels_last convolution and a parameter registered as a transposed view: dense, not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+        self.w = nn.Parameter(torch.randn(4, 8).t() * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)).mean((2, 3)) @ self.w
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["one-plan", "switched"])
+def test_the_module_gets_its_parameters_back_in_their_own_layout(switch):
+    """Teardown gives a channels_last or transposed parameter back with its strides, as DDP leaves it
+    (values contiguous inside the chunks), also after a switch of plans re-chunked it."""
+    from lightning_elixir.runtime.replan import switch_plan
+
+    torch.manual_seed(0)
+    model = _Strided()
+    reference = copy.deepcopy(model)
+    strides = {n: p.stride() for n, p in model.named_parameters()}
+    assert not model.conv.weight.is_contiguous() and not model.w.is_contiguous()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=256, cache_blocks="min"))
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(step))
+        if switch and step == 1:
+            runtime = switch_plan(runtime, ElixirPlan(chunk_numel=1024, cache_blocks="all"))
+        model(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    runtime.restore_module()
+    for name, p in model.named_parameters():
+        assert p.stride() == strides[name], name
+        torch.testing.assert_close(p, dict(reference.named_parameters())[name], msg=name)
+    assert not hasattr(model.w, "_elixir_stride")
