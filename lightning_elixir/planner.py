@@ -189,6 +189,7 @@ def _through_batch_hooks(trainer: Any, batch: Any, dataloader_idx: int) -> Any:
     if module is None or strategy is None or not hasattr(module, "_on_before_batch_transfer"):
         return batch
     with preserved_state(module):  # a hook that counts or caches must not see the planning batch
+        batch = strategy.precision_plugin.convert_input(batch)  # true precisions: in the module's dtype
         batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
         return strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
 
@@ -490,13 +491,14 @@ def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dty
 
     Pure: the host memory is an argument, so a plan can be searched for another machine.
     """
-    true_low_precision = autocast_dtype is None and compute_dtype != torch.float32
+    true_precision = autocast_dtype is None and compute_dtype != torch.float32  # bf16-true, 16-true, 64-true
+    size = compute_dtype.itemsize if true_precision else 4  # of gradients, masters and optimizer states
     return SearchOptions(
         world_size=world_size, micro_batches=micro_batches,
-        master_bytes_per_numel=0 if true_low_precision else None,  # bf16-true: the master is the shard
-        grad_bytes_per_numel=2 if true_low_precision else 4,
-        optimizer_bytes_per_numel=4 if true_low_precision else 8,
-        reduce_in_fp32=not true_low_precision,
+        master_bytes_per_numel=0 if true_precision else None,  # bf16-true: the master is the shard
+        grad_bytes_per_numel=size,
+        optimizer_bytes_per_numel=2 * size,
+        reduce_in_fp32=not true_precision,
         allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes,
         updates_in_backward=updates_in_backward)
 

@@ -25,7 +25,7 @@ class ElixirPrecision(Precision):
     """Mixed and true precision for Elixir: low-precision chunks, fp32 masters, global overflow checks.
 
     Args:
-        precision: "32-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true".
+        precision: "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true" or "64-true".
         device_type: the autocast device ("cpu" or "cuda"); the strategy sets it from its root device.
     """
 
@@ -41,20 +41,20 @@ class ElixirPrecision(Precision):
 
     @override
     def convert_module(self, module: Module) -> Module:
-        if self.policy.true_low_precision:
+        if self.policy.true_precision:
             return module.to(self.compute_dtype)
         return module
 
     @override
     def convert_input(self, data: Any) -> Any:
-        """True half precision: floating-point batch tensors in the model's dtype, as Lightning's HalfPrecision."""
-        if not self.policy.true_low_precision:
+        """True precisions: floating-point batch tensors in the model's dtype, as Lightning's Half/DoublePrecision."""
+        if not self.policy.true_precision:
             return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
 
     @contextlib.contextmanager
     def _default_dtype(self) -> Generator[None, None, None]:
-        if not self.policy.true_low_precision:
+        if not self.policy.true_precision:
             yield
             return
         previous = torch.get_default_dtype()
@@ -75,7 +75,7 @@ class ElixirPrecision(Precision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.autocast_dtype is None:  # true half: tensors created in forward take the model's dtype
+        if self.autocast_dtype is None:  # true precisions: tensors created in forward take the model's dtype
             with self._default_dtype():
                 yield
             return

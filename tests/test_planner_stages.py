@@ -166,6 +166,22 @@ def test_fit_with_dropout_sees_the_same_random_stream_as_without_planning():
     assert elixir == pytest.approx(reference, rel=1e-6)
 
 
+class DtypeChecked(WithDropout):
+    """Refuses a batch that is not in its parameters' dtype, as a model in true precision may."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        assert x.dtype == self.net[0].weight.dtype, f"a {x.dtype} batch for {self.net[0].weight.dtype} weights"
+        return F.mse_loss(self.net(x), y)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_planning_traces_the_batch_in_the_dtype_the_loop_converts_it_to(precision):
+    trainer = _trainer(max_steps=2, precision=precision)
+    trainer.fit(DtypeChecked(), _loader(16, 8, 5))
+    assert trainer.strategy.planning.fallback_reason is None and trainer.global_step == 2
+
+
 def test_an_untraceable_step_falls_back_with_one_warning_and_trains():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -59,7 +59,7 @@ from lightning_elixir.profile.types import Access, HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
 
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def profile_model(
@@ -85,7 +85,8 @@ def profile_model(
             manual optimization its ``self.manual_backward`` calls are the traced backward and its
             optimizers are stand-ins that do not step), or the sum of a plain module's output.
         compute_dtype: ``torch.float32``, or ``torch.bfloat16``/``torch.float16`` to run the forward
-            under autocast in that dtype, as the ``*-mixed`` precisions do.
+            under autocast in that dtype, as the ``*-mixed`` precisions do; ``torch.float64`` for a
+            module in double precision (no autocast; pass ``param_dtype=torch.float64`` too).
         hardware: Measured speeds that turn FLOPs and bytes into seconds. Without one every
             ``compute_s`` is 0 (FLOPs and bytes are still recorded).
         device: The device the step will run on. Default: where the module's tensors are (the CPU
@@ -216,7 +217,7 @@ def _step_contexts(module: nn.Module, mode: FakeTensorMode, tracer: StepTracer, 
 
 def _runner(step_fn: StepFn, tracer: StepTracer, settings: _Settings, stand_ins: StepStandIns) -> StepFn:
     """Forward and loss under autocast, then backward (unless the step ran its own, or none is wanted)."""
-    autocast = settings.compute_dtype != torch.float32
+    autocast = settings.compute_dtype in (torch.bfloat16, torch.float16)  # not float64 ("64-true")
 
     def run(module: nn.Module, batch: Any) -> None:
         grad = contextlib.nullcontext() if settings.backward else torch.no_grad()

@@ -38,8 +38,8 @@ class PrecisionPolicy:
         return torch.float32 if exact else self.compute_dtype
 
     @property
-    def true_low_precision(self) -> bool:
-        """bf16-true / 16-true: no fp32 master, the model is stored in the low dtype."""
+    def true_precision(self) -> bool:
+        """bf16-true / 16-true / 64-true: no fp32 master, the model is stored and computes in its dtype."""
         return self.autocast_dtype is None and self.compute_dtype != torch.float32
 
     def keeps_full_precision(self, module: nn.Module) -> bool:
@@ -89,5 +89,7 @@ PRECISION_FLAGS = MappingProxyType({
     "16-mixed": PrecisionPolicy(torch.float16, torch.float32, torch.float16),
     "bf16-true": PrecisionPolicy(torch.bfloat16, torch.bfloat16),
     "16-true": PrecisionPolicy(torch.float16, torch.float16),
+    "64-true": PrecisionPolicy(torch.float64, torch.float64),
+    "64": PrecisionPolicy(torch.float64, torch.float64),
 })
 """The Lightning precision flags Elixir runs, and their policies."""

@@ -2697,6 +2697,7 @@ CASES: list[Case] = [
     Case("lightning_swa_with_batchnorm_update", BatchNormMLP, cls_data, trainer=dict(max_epochs=3),
          run=fit_with(lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1))),
     Case("fp16_true_mlp", SequentialMLP, cls_data, trainer=dict(precision="16-true"), tol=BF16_TRUE),
+    Case("fp64_true_mlp", SequentialMLP, cls_data, trainer=dict(precision="64-true")),
 ]
 
 
