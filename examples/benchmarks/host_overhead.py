@@ -3,6 +3,7 @@
     python examples/benchmarks/host_overhead.py                        # world sizes 1 and 2, both tables
     python examples/benchmarks/host_overhead.py --world-sizes 2 --rounds 3
     python examples/benchmarks/host_overhead.py --checkpointing on     # recomputation per block only
+    python examples/benchmarks/host_overhead.py --model moe --checkpointing off   # another launch-bound shape
 
 On a GPU a step of a realistic model is often launch-bound: every Python call on the hot path is
 paid as GPU idle time. On a 2-core CPU kernels of realistic widths are so slow that the same
@@ -23,6 +24,15 @@ median over timed steps of the slowest rank, best round counts. A second, profil
 host time per step of each kind of hook (torch.profiler's ``Elixir::*`` and ``FSDP::*`` labels,
 inclusive CPU time, rank 0), which the profiler itself inflates: compare them with each other.
 ``--checkpointing`` also runs every system with non-reentrant activation checkpointing per block.
+
+``--model`` picks other launch-bound shapes of the same depth, width, vocabulary and sequence, to
+check that the host cost does not depend on the GPT's: "llama" (lightning_elixir/demos/llama.py: RMSNorm,
+SwiGLU, rotary, no biases), "moe" (--experts expert MLPs per block, top-2 routing, a Python loop
+over the experts), "tiny_params" (many small parameters per block: four LayerNorms, biases
+everywhere, a depthwise convolution, per-channel scales), "hf_gpt2" (transformers' GPT2LMHeadModel
+from a config), "hf_llama_lora" (transformers' LlamaForCausalLM with PEFT's LoRA on q/v: 3% of
+the parameters train). Blocks are the model's first ModuleList (FSDP2's ``fully_shard`` units and
+the chunk-per-block plan's size); the HF models take ``--checkpointing off`` only.
 """
 
 from __future__ import annotations
@@ -44,12 +54,15 @@ sys.path.insert(0, ROOT)
 
 from tests.distributed import run_distributed  # noqa: E402
 
+MODELS = ("gpt", "llama", "moe", "tiny_params", "hf_gpt2", "hf_llama_lora")
 SYSTEMS = ("ddp", "elixir_zero2", "elixir_zero3", "elixir_zero3_block", "elixir", "fsdp2")
 HOOK_PREFIXES = ("Elixir::", "FSDP::")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="gpt")
+    p.add_argument("--experts", type=int, default=16, help="experts per block of --model moe")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--checkpointing", choices=("off", "on", "both"), default="both")
@@ -74,11 +87,26 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, checkpointing: bool) -> torch.nn.Module:
-    from lightning_elixir.demos.gpt import GPTLightningModule
-
+    """A LightningModule with ``.model``, ``_loss(batch)`` and ``configure_optimizers()``."""
     torch.manual_seed(0)
-    return GPTLightningModule(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                              n_head=args.n_head, n_embd=args.n_embd, activation_checkpointing=checkpointing)
+    if args.model == "gpt":
+        from lightning_elixir.demos.gpt import GPTLightningModule
+
+        return GPTLightningModule(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                                  n_head=args.n_head, n_embd=args.n_embd, activation_checkpointing=checkpointing)
+    if args.model == "llama":
+        from lightning_elixir.demos.llama import LlamaLightningModule
+
+        return LlamaLightningModule(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                                    n_head=args.n_head, n_embd=args.n_embd, activation_checkpointing=checkpointing)
+    from examples.benchmarks.shapes import build_shape
+
+    return build_shape(args.model, args, checkpointing)
+
+
+def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's repeated blocks: its first ModuleList in module order."""
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
 
 
 def batches(args: argparse.Namespace, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -105,12 +133,13 @@ def make_step(args: argparse.Namespace, system: str, checkpointing: bool, world_
     """One training step of ``system`` on a fresh model: forward, loss, backward, AdamW step."""
     module = build(args, checkpointing)
     if system == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(module.model)
+        # experts no token chose get no gradient: DDP must look for unused parameters
+        model = torch.nn.parallel.DistributedDataParallel(module.model, find_unused_parameters=args.model == "moe")
         return _plain_step(model, module.configure_optimizers())
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for block in module.model.h:
+        for block in blocks(module.model):
             fully_shard(block)
         fully_shard(module.model)
         return _plain_step(module.model, module.configure_optimizers())
@@ -127,7 +156,7 @@ def _elixir_step(args: argparse.Namespace, module: Any, system: str, world_size:
     if system == "elixir":
         plan = _auto_plan(args, module, group)
     elif system == "elixir_zero3_block":  # ZeRO-3 as FSDP2 runs it here: a chunk per block, gathered per use
-        block_numel = sum(p.numel() for p in module.model.h[0].parameters())
+        block_numel = sum(p.numel() for p in blocks(module.model)[0].parameters())
         plan = dataclasses.replace(PRESETS["zero3"], chunk_numel=block_numel, name="zero3_block")
     else:
         plan = PRESETS[system.removeprefix("elixir_")]
@@ -207,7 +236,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(args: argparse.Namespace, results: dict) -> None:
-    print(f"GPT {args.n_layer} layers x width {args.n_embd}, vocabulary {args.vocab_size}, sequence "
+    name = {"gpt": "GPT"}.get(args.model, f"--model {args.model}")
+    print(f"{name} {args.n_layer} layers x width {args.n_embd}, vocabulary {args.vocab_size}, sequence "
           f"{args.block_size}, batch {args.batch_size}, AdamW, gloo, 1 thread per rank; median of {args.steps} "
           f"steps of the slowest rank, best of {args.rounds} rounds\n")
     print("| world size | checkpointing | system | step ms | vs DDP | hook host ms/step (profiled) |")
