@@ -57,8 +57,13 @@ def test_gradient_accumulation_matches_ddp(fp32_results):
 
 
 def test_clip_norm_matches_torch_under_ddp(fp32_results):
+    # The global norm is summed shard by shard and then over the ranks, torch's clip_grad_norm_ tensor by
+    # tensor: the clipping coefficient differs in its last bits at every step, which AdamW's division by
+    # the root of small second moments turns into more than other runs' rounding. Measured after these
+    # 10 steps: 1.007e-5 relative on one attention bias on an AMD EPYC host, under 1e-5 on others. A
+    # wrong coefficient (a shard's norm, a missing rank) is off by 1e-1 and more.
     for rank_result in fp32_results:
-        _assert_parity(rank_result[5], 1e-5)
+        _assert_parity(rank_result[5], 2e-5)
 
 
 def test_clip_value_matches_torch_under_ddp(fp32_results):
