@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.state_dict import load_full_optimizer_state_dict
+from lightning_elixir.runtime.whole import install_muon_step, is_muon
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def elementwise_optimizer(cls: type) -> type:
     Use it as a class decorator on an optimizer whose update of each parameter element reads only
     that element's parameter, gradient and state (and scalars such as lr or the step count): Lion,
     a subclass of SGD that overrides ``step`` to log. Norms, means or shapes of whole parameters
-    (LARS, LAMB, Adafactor, Muon) are not element-wise: on a shard they would see a slice only.
+    (LARS, LAMB, Adafactor) are not element-wise: on a shard they would see a slice only. (torch's Muon,
+    which orthogonalises whole matrices, runs a step of the runtime's own: [Note: Muon on shards].)
     Offloaded chunks run extra instances of the class built as ``cls(param_groups)`` ([Note: shadow
     optimizers] in shadow.py), so every constructor argument other than the parameters needs a default.
     """
@@ -96,12 +98,13 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
     if cls.__name__ == "_MockOptimizer" and cls.__module__ in ("lightning.pytorch.core.optimizer",
                                                                "pytorch_lightning.core.optimizer"):
         return optimizer
-    problem = _step_not_element_wise(cls)
+    muon = is_muon(cls)  # [Note: Muon on shards] in whole.py
+    problem = None if muon else _step_not_element_wise(cls)
     if problem is not None:
         names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
-        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), or, if each element's "
-                        "update reads only that element and scalars (as Lion's does), declare the class with "
-                        "@lightning_elixir.elementwise_optimizer")
+        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}) or torch's Muon, or, "
+                        "if each element's update reads only that element and scalars (as Lion's does), declare the "
+                        "class with @lightning_elixir.elementwise_optimizer")
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         log.warning("%s has step hooks (register_step_pre_hook / register_step_post_hook): under the Elixir strategy "
                     "they see this rank's flat shard views in its param_groups, not the parameters, so shapes, "
@@ -118,7 +121,10 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
         group["params"] = [runtime.view_param(p) for p in group["params"]]
     _shard_added_groups(runtime, optimizer)
     runtime.optimizers.append(optimizer)
-    runtime.offload.attach(optimizer, runtime.view_index())
+    if muon:
+        install_muon_step(runtime, optimizer)
+    else:
+        runtime.offload.attach(optimizer, runtime.view_index())
     if initial is not None:  # each view gets its slice, as a full state dict is loaded on resume
         load_full_optimizer_state_dict(runtime, optimizer, initial)
     return optimizer
@@ -140,7 +146,9 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         views = [runtime.view_param(p) for p in params]
         add({**param_group, "params": views})
-        if any(runtime.where(p)[0].offloaded for p in params):  # their updates run on the host, as the rest's
+        if is_muon(type(optimizer)):
+            install_muon_step(runtime, optimizer)  # checks the new groups' chunks
+        elif any(runtime.where(p)[0].offloaded for p in params):  # their updates run on the host, as the rest's
             runtime.offload.reattach(optimizer, runtime.view_index())
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]

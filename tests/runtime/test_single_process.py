@@ -141,6 +141,20 @@ def test_lbfgs_is_rejected_with_the_supported_list():
         shard_optimizer(runtime, torch.optim.LBFGS(model.parameters()))
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
+def test_muon_subclasses_with_a_step_of_their_own_and_adafactor_are_rejected():
+    class OwnStep(torch.optim.Muon):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64))
+    with pytest.raises(TypeError, match="OwnStep is not element-wise.*or torch's Muon"):
+        shard_optimizer(runtime, OwnStep(model.parameters()))
+    with pytest.raises(TypeError, match="Adafactor is not element-wise"):
+        shard_optimizer(runtime, torch.optim.Adafactor(model.parameters()))
+
+
 class _LoggingSGD(torch.optim.SGD):
     """Sets defaults only: SGD's own step runs."""
 
