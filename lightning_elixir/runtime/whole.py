@@ -13,12 +13,13 @@ of on the flat views, which it could not orthogonalise:
 2. each rank updates the momentum of its views and writes the update into a shard-sized buffer of
    each chunk that holds such parameters, at the views' places; the chunks' buffers are gathered,
    one chunk at a time (a chunk-sized buffer is the most this holds);
-3. every rank orthogonalises each whole update with torch's own iteration, as each DDP replica does,
-   and applies its own slice with torch's weight decay and learning-rate scaling.
+3. each rank orthogonalises the whole update of every matrix it holds a part of, with torch's own
+   iteration, and applies its own slice with torch's weight decay and learning-rate scaling.
 
 Each element then gets exactly what one process computes (the gathered update is the same on every
-rank and the iteration is deterministic for it), at the cost of every rank orthogonalising every
-matrix. A shard view whose parameter lies wholly on other ranks gets its (empty) state on the step
+rank and the iteration is deterministic for it). A matrix split over two ranks' shards is
+orthogonalised on both; one within a single shard only there, so the work is divided among the
+ranks about as the matrices are, where DDP repeats all of it on every replica. A shard view whose parameter lies wholly on other ranks gets its (empty) state on the step
 where its parameter first trains, as torch's optimizers give theirs. Offloaded chunks update here
 too, in host memory, and their compute shards are refreshed after; chunks on NVMe are refused, and
 so is a subclass of Muon that overrides ``step`` (it may no longer be this algorithm).
@@ -104,11 +105,11 @@ class _MuonStep:
             updates[begin:end] = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
         full = chunk.gather_full(updates)
         for group, view in members:
+            if view.numel() == 0:  # held by other ranks, which orthogonalise it
+                continue
             slot = index[id(view)][1]
             update = _zeropower_via_newtonschulz(full[slot.offset:slot.end].view(slot.shape), group["ns_coefficients"],
                                                  group["ns_steps"], group["eps"])
-            if view.numel() == 0:
-                continue
             begin, end = chunk.shard_range(slot)
             first = chunk.shard_begin + begin - slot.offset  # this view's first element within the parameter
             own = update.reshape(-1)[first:first + end - begin].to(view.device)
