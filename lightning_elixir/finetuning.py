@@ -63,7 +63,8 @@ def planned_trainable(module: nn.Module, trainer: Any) -> Iterator[None]:
     """With a ``BaseFinetuning`` callback: every parameter of ``module`` trainable inside (see the note)."""
     frozen = []
     if any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks):
-        frozen = [p for p in module.parameters() if not p.requires_grad]
+        frozen = [p for p in module.parameters()
+                  if not p.requires_grad and (p.is_floating_point() or p.is_complex())]  # an index table stays
     for param in frozen:
         param.requires_grad_(True)
     try:
