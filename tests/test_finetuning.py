@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_elixir import ElixirStrategy
+from lightning_elixir.finetuning import planned_trainable
 from tests.search.profiles import hardware
 from tests.test_resume import COLLECTIVE_TIMEOUT, fit_on_ranks
 
@@ -123,3 +124,16 @@ def test_auto_plans_for_the_backbone_the_callback_will_unfreeze(caplog):
     assert all(info.requires_grad for info in trainer.strategy.planning.model_profile.params)
     assert not any("frozen when the plan was made" in r.getMessage() for r in caplog.records)
     assert all(p.requires_grad for p in model.parameters())  # unfrozen, and trained: the flags are the module's
+
+
+def test_planning_as_trainable_leaves_integer_parameters_and_restores_the_flags():
+    module = nn.Linear(2, 2)
+    module.index = nn.Parameter(torch.arange(3), requires_grad=False)  # an index table cannot require gradients
+    module.weight.requires_grad_(False)
+
+    class WithCallback:
+        callbacks = [BackboneFinetuning()]
+
+    with planned_trainable(module, WithCallback()):
+        assert module.weight.requires_grad and not module.index.requires_grad
+    assert not module.weight.requires_grad and module.bias.requires_grad
