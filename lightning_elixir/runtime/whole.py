@@ -19,10 +19,11 @@ of on the flat views, which it could not orthogonalise:
 Each element then gets exactly what one process computes (the gathered update is the same on every
 rank and the iteration is deterministic for it). A matrix split over two ranks' shards is
 orthogonalised on both; one within a single shard only there, so the work is divided among the
-ranks about as the matrices are, where DDP repeats all of it on every replica. A shard view whose parameter lies wholly on other ranks gets its (empty) state on the step
-where its parameter first trains, as torch's optimizers give theirs. Offloaded chunks update here
-too, in host memory, and their compute shards are refreshed after; chunks on NVMe are refused, and
-so is a subclass of Muon that overrides ``step`` (it may no longer be this algorithm).
+ranks about as the matrices are, where DDP repeats all of it on every replica. A shard view whose
+parameter lies wholly on other ranks gets its (empty) state on the step where its parameter first
+trains, as torch's optimizers give theirs. Offloaded chunks update here too, in host memory, and
+their compute shards are refreshed after; chunks on NVMe are refused, and so is a subclass of Muon
+that overrides ``step`` (it may no longer be this algorithm).
 """
 
 from __future__ import annotations
