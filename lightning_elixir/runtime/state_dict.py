@@ -155,7 +155,11 @@ class ChunkOptimizerState:
     members: list[tuple[int, Slot, torch.Tensor]]
     """(state-dict index, slot, shard view) of the chunk's parameters that have state."""
     keys: list[str]
-    """Per-element state keys (``exp_avg``, ...), gathered; the rest (``step``) is copied."""
+    """Per-element state keys (``exp_avg``, ...) of any member, gathered; the rest (``step``) is copied."""
+
+    def having(self, state: Mapping[int, Mapping[str, Any]], key: str) -> list[tuple[int, Slot, torch.Tensor]]:
+        """The members whose ``state`` holds ``key``."""
+        return [member for member in self.members if key in state[member[0]]]
 
 
 def agree_scalar_state(runtime, optimizer: Optimizer) -> None:
@@ -192,9 +196,9 @@ def optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], lis
     layout = []
     for chunk in runtime.chunks:
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
-        if members:
-            first_i, _, first_view = members[0]
-            keys = sorted(k for k, v in sharded["state"][first_i].items() if is_per_element(k, v, first_view.shape))
+        if members:  # the keys of every member: they differ (amsgrad in one group only)
+            keys = sorted({k for i, _, view in members for k, v in sharded["state"][i].items()
+                           if is_per_element(k, v, view.shape)})
             layout.append(ChunkOptimizerState(chunk, members, keys))
     return sharded, layout
 
@@ -217,10 +221,11 @@ def optimizer_records(runtime, sharded: dict[str, Any], layout: list[ChunkOptimi
     for part in layout:
         with runtime.offload.resident(part.chunk):
             for key in part.keys:
-                flat = _shard_buffer(part.chunk, part.members, sharded["state"], key)
+                members = part.having(sharded["state"], key)
+                flat = _shard_buffer(part.chunk, members, sharded["state"], key)
                 full = _gather(part.chunk, flat, everywhere)
                 del flat
-                for i, slot, _ in part.members:
+                for i, slot, _ in members:
                     yield i, key, None if full is None else full[slot.offset:slot.end].view(slot.shape)
                 del full  # before the next key's gather: one gathered chunk at a time
 
@@ -273,15 +278,15 @@ def deferred_records(runtime, optimizers: list[Optimizer], checkpoint: Any) -> R
         for part in layout:
             with runtime.offload.resident(part.chunk):
                 for key in part.keys:
-                    dtype = sharded["state"][part.members[0][0]][key].dtype
+                    members = part.having(sharded["state"], key)
+                    dtype = sharded["state"][members[0][0]][key].dtype
                     out = buffers.out(part.chunk, dtype)
                     shard = out[:part.chunk.shard_numel] if out is not None else buffers.shard(part.chunk, dtype)
                     shard.zero_()  # rank 0's shard is the start of its result
-                    _fill_shard(shard, part.chunk, part.members, sharded["state"], key)
+                    _fill_shard(shard, part.chunk, members, sharded["state"], key)
                     full = part.chunk.gather_to_first(shard, out)
                     del shard, out
-                    yield _gathered(full, [(wanted.get(("optimizer", index, i, key)), slot)
-                                           for i, slot, _ in part.members])
+                    yield _gathered(full, [(wanted.get(("optimizer", index, i, key)), slot) for i, slot, _ in members])
                     del full
 
 

@@ -155,6 +155,34 @@ def test_muon_subclasses_with_a_step_of_their_own_and_adafactor_are_rejected():
         shard_optimizer(runtime, torch.optim.Adafactor(model.parameters()))
 
 
+def test_a_full_optimizer_state_dict_of_groups_with_other_state_keys_in_one_chunk():
+    """Adam with amsgrad in one group only: one chunk's parameters hold different per-element keys."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
+
+    def groups(m):
+        return [{"params": [m[0].weight, m[1].weight], "amsgrad": True}, {"params": [m[0].bias, m[1].bias]}]
+
+    model, ref = make(), make()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=1024))
+    assert len(runtime.chunks) == 1
+    opt = shard_optimizer(runtime, torch.optim.Adam(groups(model), lr=0.1))
+    ref_opt = torch.optim.Adam(groups(ref), lr=0.1)
+    for seed in range(2):
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed))
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        optimizer_step(runtime, opt)
+        ref_opt.step()
+    state, ref_state = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
+    assert "max_exp_avg_sq" in ref_state[0] and "max_exp_avg_sq" not in ref_state[2]
+    for index, values in ref_state.items():
+        assert state[index].keys() == values.keys()
+        for key, value in values.items():
+            torch.testing.assert_close(state[index][key], value, msg=f"{index} {key}")
+
+
 class _LoggingSGD(torch.optim.SGD):
     """Sets defaults only: SGD's own step runs."""
 
