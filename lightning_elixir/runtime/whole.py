@@ -28,7 +28,10 @@ that overrides ``step`` (it may no longer be this algorithm).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,14 +55,52 @@ def is_muon(cls: type) -> bool:
 
 def install_muon_step(runtime: Any, optimizer: Optimizer) -> None:
     """Give ``optimizer`` (a Muon over shard views) the sharded step of the note."""
-    for chunk in _chunks_of(runtime, optimizer):
+    refuse_nvme(runtime, optimizer, "Muon")
+    install_step(optimizer, _MuonStep(runtime, optimizer))
+
+
+_own_steps: "weakref.WeakKeyDictionary[Optimizer, Callable[..., Any]]" = weakref.WeakKeyDictionary()
+
+
+def install_step(optimizer: Optimizer, step: Callable[[Optional[Callable[[], Any]]], Any]) -> None:
+    """Make ``step`` (called with the closure) ``optimizer.step``, as a method bound to it.
+
+    torch's LR schedulers wrap ``optimizer.step`` when they are made, to learn that it ran before
+    them: a scheduler made later (by the user, or again after a plan switch) rebinds the function of
+    the step it finds, so the step must be a method; one made before (in ``configure_optimizers``)
+    wrapped the class's step, so this step is wrapped as it would have been, or the scheduler would
+    warn that the step was replaced after it was made."""
+    _own_steps[optimizer] = step
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        owner = weakref.ref(optimizer)
+
+        @functools.wraps(_run_own_step)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            opt = owner()
+            opt._opt_called = True  # type: ignore[union-attr]
+            return _run_own_step(opt, *args, **kwargs)
+
+        tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = tracked  # type: ignore[method-assign]
+    else:
+        optimizer.step = types.MethodType(_run_own_step, optimizer)  # type: ignore[method-assign]
+
+
+def _run_own_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+    return _own_steps[optimizer](closure)
+
+
+def refuse_nvme(runtime: Any, optimizer: Optimizer, name: str) -> None:
+    """Raise if a chunk of ``optimizer``'s parameters is placed on NVMe, where a step of the runtime's own
+    cannot update it."""
+    for chunk in chunks_of(runtime, optimizer):
         if chunk.spec.placement == "nvme":
-            raise ValueError(f"chunk {chunk.index} holds parameters of a Muon optimizer and is placed on NVMe, "
-                             "where Muon cannot update it: plan without NVMe (leave nvme_path unset)")
-    optimizer.step = _MuonStep(runtime, optimizer)  # type: ignore[method-assign]
+            raise ValueError(f"chunk {chunk.index} holds parameters of a {name} optimizer and is placed on NVMe, "
+                             f"where {name} cannot update it: plan without NVMe (leave nvme_path unset)")
 
 
-def _chunks_of(runtime: Any, optimizer: Optimizer) -> list:
+def chunks_of(runtime: Any, optimizer: Optimizer) -> list:
+    """The chunks that hold ``optimizer``'s parameters, in order."""
     index = runtime.view_index()
     seen = {index[id(v)][0].index: index[id(v)][0] for g in optimizer.param_groups for v in g["params"]}
     return [seen[i] for i in sorted(seen)]

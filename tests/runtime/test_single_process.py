@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -153,6 +154,30 @@ def test_muon_subclasses_with_a_step_of_their_own_and_adafactor_are_rejected():
         shard_optimizer(runtime, OwnStep(model.parameters()))
     with pytest.raises(TypeError, match="Adafactor is not element-wise"):
         shard_optimizer(runtime, torch.optim.Adafactor(model.parameters()))
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
+@pytest.mark.parametrize("kind", ["Muon"])
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_lr_schedulers_made_before_or_after_sharding_see_the_runtimes_own_step(kind, made):
+    """A scheduler made in configure_optimizers (before) or later (after a plan switch): neither fails nor
+    warns that the step was replaced, and both follow their schedule."""
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64))
+    optimizer = getattr(torch.optim, kind)(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if made == "before":
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        shard_optimizer(runtime, optimizer)
+        if made == "after":
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for seed in range(2):
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(seed))).sum().backward()
+            optimizer_step(runtime, optimizer)
+            optimizer.zero_grad()
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
 def test_a_full_optimizer_state_dict_of_groups_with_other_state_keys_in_one_chunk():
