@@ -31,7 +31,7 @@ import inspect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer
@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.state_dict import load_full_optimizer_state_dict
+from lightning_elixir.runtime.factored import install_adafactor_step, is_adafactor
 from lightning_elixir.runtime.whole import install_muon_step, is_muon
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.ASGD,
 )
 """torch's optimizers whose update of each element reads only that element (and scalars: lr, step)."""
+OWN_STEPS: tuple[tuple[Callable[[type], bool], Callable[[Any, Optimizer], None]], ...] = (
+    (is_muon, install_muon_step), (is_adafactor, install_adafactor_step))
+"""torch's optimizers that read whole parameters, each with a test of the class and the installer of a step of
+the runtime's own that runs it exactly on shards ([Note: Muon on shards], [Note: Adafactor on shards])."""
 _declared: set[type] = set()
 """Classes declared element-wise with ``elementwise_optimizer``."""
 
@@ -59,8 +64,8 @@ def elementwise_optimizer(cls: type) -> type:
     Use it as a class decorator on an optimizer whose update of each parameter element reads only
     that element's parameter, gradient and state (and scalars such as lr or the step count): Lion,
     a subclass of SGD that overrides ``step`` to log. Norms, means or shapes of whole parameters
-    (LARS, LAMB, Adafactor) are not element-wise: on a shard they would see a slice only. (torch's Muon,
-    which orthogonalises whole matrices, runs a step of the runtime's own: [Note: Muon on shards].)
+    (LARS, LAMB) are not element-wise: on a shard they would see a slice only. (torch's Muon and
+    Adafactor run a step of the runtime's own: [Note: Muon on shards], [Note: Adafactor on shards].)
     Offloaded chunks run extra instances of the class built as ``cls(param_groups)`` ([Note: shadow
     optimizers] in shadow.py), so every constructor argument other than the parameters needs a default.
     """
@@ -98,11 +103,11 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
     if cls.__name__ == "_MockOptimizer" and cls.__module__ in ("lightning.pytorch.core.optimizer",
                                                                "pytorch_lightning.core.optimizer"):
         return optimizer
-    muon = is_muon(cls)  # [Note: Muon on shards] in whole.py
-    problem = None if muon else _step_not_element_wise(cls)
+    own_step = _own_step(cls)
+    problem = None if own_step else _step_not_element_wise(cls)
     if problem is not None:
         names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
-        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}) or torch's Muon, or, "
+        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), Muon or Adafactor, or, "
                         "if each element's update reads only that element and scalars (as Lion's does), declare the "
                         "class with @lightning_elixir.elementwise_optimizer")
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
@@ -121,13 +126,18 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
         group["params"] = [runtime.view_param(p) for p in group["params"]]
     _shard_added_groups(runtime, optimizer)
     runtime.optimizers.append(optimizer)
-    if muon:
-        install_muon_step(runtime, optimizer)
+    if own_step:
+        own_step(runtime, optimizer)
     else:
         runtime.offload.attach(optimizer, runtime.view_index())
     if initial is not None:  # each view gets its slice, as a full state dict is loaded on resume
         load_full_optimizer_state_dict(runtime, optimizer, initial)
     return optimizer
+
+
+def _own_step(cls: type) -> Optional[Callable[[Any, Optimizer], None]]:
+    """The installer of the runtime's own step for optimizer class ``cls`` (None: the class's step runs)."""
+    return next((install for test, install in OWN_STEPS if test(cls)), None)
 
 
 def _stepped(state: dict) -> bool:
@@ -146,8 +156,9 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         views = [runtime.view_param(p) for p in params]
         add({**param_group, "params": views})
-        if is_muon(type(optimizer)):
-            install_muon_step(runtime, optimizer)  # checks the new groups' chunks
+        own_step = _own_step(type(optimizer))
+        if own_step:
+            own_step(runtime, optimizer)  # checks the new groups' chunks
         elif any(runtime.where(p)[0].offloaded for p in params):  # their updates run on the host, as the rest's
             runtime.offload.reattach(optimizer, runtime.view_index())
 

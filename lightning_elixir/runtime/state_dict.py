@@ -137,9 +137,15 @@ def optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, to
     return out
 
 
+REPLICATED_STATE = frozenset({"row_var", "col_var"})
+"""Optimizer state that every rank holds whole and alike, whatever its shape: Adafactor's factored
+second moments ([Note: Adafactor on shards] in factored.py). Saved and moved as ``step`` is."""
+
+
 def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
     """Whether an optimizer state entry has one value per parameter element (``exp_avg``, not ``step``)."""
-    return key != "step" and isinstance(value, torch.Tensor) and value.shape == shape
+    return (key != "step" and key not in REPLICATED_STATE and isinstance(value, torch.Tensor)
+            and value.shape == shape)
 
 
 def per_element_nbytes(values: Mapping[str, Any], shape: torch.Size) -> int:
@@ -169,7 +175,8 @@ def agree_scalar_state(runtime, optimizer: Optimizer) -> None:
         return
     entries = optimizer_views(runtime, optimizer)
     rank, state = runtime.group.rank, optimizer.state
-    own = {i: {k: detached(v) for k, v in state[view].items() if not is_per_element(k, v, view.shape)}
+    own = {i: {k: detached(v) for k, v in state[view].items()
+               if not is_per_element(k, v, view.shape) and k not in REPLICATED_STATE}
            for i, (chunk, slot, view) in enumerate(entries)
            if state.get(view) and not chunk.elsewhere(slot) and chunk.owner(slot) == rank}
     owned: dict[int, dict[str, Any]] = {}

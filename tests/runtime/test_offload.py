@@ -61,6 +61,8 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
                                   "betas": (0.8, 0.9)}], lr=3e-3, betas=(0.9, 0.95))
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    if kind == "adafactor":  # not element-wise: a step of the runtime's own ([Note: Adafactor on shards])
+        return torch.optim.Adafactor([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=3e-3)
     if kind == "lion":  # declared element-wise: the shadows are instances of a class torch does not ship
         return Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
     raise ValueError(kind)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import dataclasses
 
 import pytest
 import torch
@@ -143,21 +144,61 @@ def test_lbfgs_is_rejected_with_the_supported_list():
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
-def test_muon_subclasses_with_a_step_of_their_own_and_adafactor_are_rejected():
+def test_muon_and_adafactor_subclasses_with_a_step_of_their_own_are_rejected():
     class OwnStep(torch.optim.Muon):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class OwnAdafactor(torch.optim.Adafactor):
         def step(self, closure=None):
             return super().step(closure)
 
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64))
-    with pytest.raises(TypeError, match="OwnStep is not element-wise.*or torch's Muon"):
+    with pytest.raises(TypeError, match="OwnStep is not element-wise.*Muon or Adafactor"):
         shard_optimizer(runtime, OwnStep(model.parameters()))
-    with pytest.raises(TypeError, match="Adafactor is not element-wise"):
+    with pytest.raises(TypeError, match="OwnAdafactor is not element-wise"):
+        shard_optimizer(runtime, OwnAdafactor(model.parameters()))
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is new in torch 2.5")
+def test_adafactor_matches_torch_over_chunks_that_split_its_matrices_and_refuses_nvme(tmp_path):
+    """A 3-D weight, matrices, vectors, every chunk's state on the host; then chunks on NVMe, which it cannot
+    update. (Matrices split over ranks' shards: tests/test_adafactor.py.)"""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv1d(3, 5, 3), nn.Flatten(), nn.Linear(20, 7), nn.LayerNorm(7), nn.Linear(7, 2))
+
+    model, ref = make(), make()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=150, cache_blocks=2)))
+    opt = shard_optimizer(runtime, torch.optim.Adafactor(model.parameters(), lr=0.05, weight_decay=0.1))
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
+    for seed in range(4):
+        x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(seed))
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours, theirs = full_state_dict(runtime), ref.state_dict()
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    state, ref_state = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
+    for index, values in ref_state.items():
+        for key, value in values.items():
+            torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-7, msg=f"{index} {key}")
+
+    model = make()
+    plan = on_host(model, ElixirPlan(chunk_numel=150, cache_blocks=2))
+    plan = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, placement="nvme") for c in plan.chunks))
+    runtime = ElixirRuntime(model, plan, nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="Adafactor optimizer and is placed on NVMe"):
         shard_optimizer(runtime, torch.optim.Adafactor(model.parameters()))
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
-@pytest.mark.parametrize("kind", ["Muon"])
+@pytest.mark.parametrize("kind", ["Muon", "Adafactor"])
 @pytest.mark.parametrize("made", ["before", "after"])
 def test_lr_schedulers_made_before_or_after_sharding_see_the_runtimes_own_step(kind, made):
     """A scheduler made in configure_optimizers (before) or later (after a plan switch): neither fails nor

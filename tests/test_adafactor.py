@@ -1,0 +1,152 @@
+"""torch.optim.Adafactor on sharded parameters ([Note: Adafactor on shards] in lightning_elixir/runtime/factored.py).
+
+A convolution (a factored 3-D weight), linear layers and a LayerNorm (vectors, whose second moment is
+per element) under Adafactor with two parameter groups (weight decay on the matrices only) and a step
+schedule, clipped by norm, on two gloo ranks against DDP:
+- zero3, and a plan of small chunks whose parameters straddle the ranks' shards with every chunk's
+  state on the host, train to DDP's weights, and their full checkpoints hold DDP's factored moments
+  and variances in a plain torch optimizer state dict;
+- a fit resumed from a full or a sharded checkpoint ends with the uninterrupted fit's weights bit for
+  bit, and one resumed on one rank from the two ranks' sharded checkpoint with the weights of DDP
+  resumed on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir.plan import slot_offsets
+from lightning_elixir.runtime.layout import resolve_specs
+from tests.test_resume import COLLECTIVE_TIMEOUT, fit_on_ranks
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is new in torch 2.5")
+
+EPOCHS = 3
+SAMPLES = 48
+GLOBAL_BATCH = 8
+
+
+class WithAdafactor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(4, 6, kernel_size=3)
+        self.net = nn.Sequential(nn.Linear(36, 32), nn.ReLU(), nn.Linear(32, 24), nn.LayerNorm(24), nn.Linear(24, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(torch.relu(self.conv(x)).flatten(1)), y)
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.ndim > 1]
+        rest = [p for p in self.parameters() if p.ndim <= 1]
+        optimizer = torch.optim.Adafactor([{"params": matrices, "weight_decay": 0.05}, {"params": rest, "lr": 0.02}],
+                                          lr=0.01, foreach=False)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.7)}
+
+    def train_dataloader(self):
+        """GLOBAL_BATCH samples a step, dealt out to the ranks in turn (one process sees them all)."""
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(SAMPLES, 4, 8, generator=g), torch.randint(0, 3, (SAMPLES,), generator=g))
+        ranks = self.trainer.world_size
+        return DataLoader(Subset(data, range(self.trainer.global_rank, SAMPLES, ranks)), batch_size=GLOBAL_BATCH // ranks)
+
+
+def _small_on_host(module: nn.Module, world_size: int) -> ElixirPlan:
+    """Chunks of 1200 elements (matrices split over the ranks' shards), every chunk's state on the host, two cache blocks."""
+    plan = ElixirPlan(chunk_numel=1200, cache_blocks=2, prefetch_depth=1)
+    specs = resolve_specs(module, plan, world_size)
+    return dataclasses.replace(plan, world_size=world_size,
+                               chunks=tuple(dataclasses.replace(s, placement="cpu") for s in specs))
+
+
+def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None) -> None:
+    """EPOCHS epochs of ``WithAdafactor`` under DDP, "zero3" or "small" (``_small_on_host``); a checkpoint at
+    each epoch's end; rank 0 saves the final weights to ``run/final.pt``."""
+    model = WithAdafactor()
+    if plan == "ddp":
+        strategy = "ddp"
+    else:
+        strategy = ElixirStrategy(plan=_small_on_host(model, world_size) if plan == "small" else plan,
+                                  state_dict_type=fmt, collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS, logger=False,
+                        use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=run, gradient_clip_val=0.5,
+                        callbacks=[ModelCheckpoint(dirpath=run / "ckpt", filename="{epoch}", save_top_k=-1)])
+    trainer.fit(model, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run / "final.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adafactor")
+    runs = {name: root / name for name in ("ddp", "zero3", "small", "zero3-resumed", "small-resumed", "one-rank",
+                                           "one-rank-ddp")}
+    first = "epoch=0.ckpt"
+    fit_on_ranks(2, [(runs["ddp"], "ddp", "full"), (runs["zero3"], "zero3", "full"),
+                     (runs["small"], "small", "sharded"),
+                     (runs["zero3-resumed"], "zero3", "full", runs["zero3"] / "ckpt" / first),
+                     (runs["small-resumed"], "small", "sharded", runs["small"] / "ckpt" / first)], fit_fn=fit)
+    fit_on_ranks(1, [(runs["one-rank"], "zero2", "full", runs["small"] / "ckpt" / first),
+                     (runs["one-rank-ddp"], "ddp", "full", runs["zero3"] / "ckpt" / first)], fit_fn=fit)
+    return runs
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "final.pt")
+
+
+def test_the_small_plan_splits_matrices_over_the_shards():
+    model = WithAdafactor()
+    split = []
+    for spec in _small_on_host(model, 2).chunks:
+        numels = [model.get_parameter(name).numel() for name in spec.params]
+        for name, offset, numel in zip(spec.params, slot_offsets(numels), numels):
+            if offset < spec.numel // 2 < offset + numel:
+                split.append(name)
+    assert any(model.get_parameter(name).ndim > 1 for name in split), split
+
+
+@pytest.mark.parametrize("plan", ["zero3", "small"])
+def test_adafactor_trains_to_ddps_weights(runs, plan):
+    ddp, start = _final(runs["ddp"]), WithAdafactor().state_dict()
+    assert not torch.allclose(ddp["conv.weight"], start["conv.weight"])
+    for key, value in _final(runs[plan]).items():
+        torch.testing.assert_close(value, ddp[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_full_checkpoint_holds_a_plain_adafactor_state_dict_with_ddps_moments(runs):
+    ours = torch.load(runs["zero3"] / "ckpt" / f"epoch={EPOCHS - 1}.ckpt", weights_only=False)["optimizer_states"][0]
+    ddp = torch.load(runs["ddp"] / "ckpt" / f"epoch={EPOCHS - 1}.ckpt", weights_only=False)["optimizer_states"][0]
+    assert ours["param_groups"] == ddp["param_groups"] and ours["state"].keys() == ddp["state"].keys()
+    assert {"row_var", "col_var"} <= ddp["state"][0].keys() and "variance" in ddp["state"][len(ddp["state"]) - 1]
+    for index, state in ddp["state"].items():
+        assert ours["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            assert ours["state"][index][key].shape == value.shape, (index, key)
+            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-7, msg=f"{index} {key}")
+
+
+@pytest.mark.parametrize("plan", ["zero3", "small"])
+def test_a_resumed_fit_ends_with_the_uninterrupted_weights(runs, plan):
+    for key, value in _final(runs[plan]).items():
+        assert torch.equal(_final(runs[f"{plan}-resumed"])[key], value), key
+
+
+def test_a_fit_resumed_on_one_rank_from_two_ranks_sharded_checkpoint_continues_as_ddp_does(runs):
+    ddp = _final(runs["one-rank-ddp"])
+    resumed_from = torch.load(runs["zero3"] / "ckpt" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    assert not torch.allclose(ddp["net.2.weight"], resumed_from["net.2.weight"], rtol=1e-3, atol=1e-4)
+    for key, value in ddp.items():
+        torch.testing.assert_close(_final(runs["one-rank"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
