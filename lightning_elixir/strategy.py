@@ -52,6 +52,7 @@ from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, c
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
 from lightning_elixir.autoplan import AutoPlanner, updates_start_in_backward
+from lightning_elixir.rank_hooks import install_rank_hooks, remove_rank_hooks
 from lightning_elixir.recompute import Recomputation
 from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
 from lightning_elixir.profile.types import HardwareProfile
@@ -429,6 +430,7 @@ class ElixirStrategy(ParallelStrategy):
             install_finetuning(self, trainer)  # [Note: finetuning callbacks]
             self._after_step.install(self.lightning_module)
             self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
+        install_rank_hooks(self, trainer)  # [Note: hooks every rank runs]
         self.setup_precision_plugin()
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
@@ -916,6 +918,7 @@ class ElixirStrategy(ParallelStrategy):
         remove_toggling(self.lightning_module)
         remove_finetuning(getattr(self.lightning_module, "_trainer", None))
         self._after_step.remove(self.lightning_module)
+        remove_rank_hooks(self, getattr(self.lightning_module, "_trainer", None))
         if self.runtime is not None and not self._failed:
             self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
         if self.runtime is not None and self._failed:
