@@ -1,4 +1,5 @@
-"""torch.optim.Adafactor on sharded parameters ([Note: Adafactor on shards] in lightning_elixir/runtime/factored.py).
+"""torch's and Hugging Face's Adafactor on sharded parameters ([Note: Adafactor on shards] in
+lightning_elixir/runtime/factored.py).
 
 A convolution (a factored 3-D weight), linear layers and a LayerNorm (vectors, whose second moment is
 per element) under Adafactor with two parameter groups (weight decay on the matrices only) and a step
@@ -8,7 +9,9 @@ schedule, clipped by norm, on two gloo ranks against DDP:
   and variances in a plain torch optimizer state dict;
 - a fit resumed from a full or a sharded checkpoint ends with the uninterrupted fit's weights bit for
   bit, and one resumed on one rank from the two ranks' sharded checkpoint with the weights of DDP
-  resumed on one rank.
+  resumed on one rank;
+- Hugging Face's Adafactor (a first moment, parameter scaling) under the small plan trains to DDP's
+  weights and resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ GLOBAL_BATCH = 8
 
 
 class WithAdafactor(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, flavor: str = "torch") -> None:
         super().__init__()
+        self.flavor = flavor
         torch.manual_seed(0)
         self.conv = nn.Conv1d(4, 6, kernel_size=3)
         self.net = nn.Sequential(nn.Linear(36, 32), nn.ReLU(), nn.Linear(32, 24), nn.LayerNorm(24), nn.Linear(24, 3))
@@ -50,8 +54,13 @@ class WithAdafactor(L.LightningModule):
     def configure_optimizers(self):
         matrices = [p for p in self.parameters() if p.ndim > 1]
         rest = [p for p in self.parameters() if p.ndim <= 1]
-        optimizer = torch.optim.Adafactor([{"params": matrices, "weight_decay": 0.05}, {"params": rest, "lr": 0.02}],
-                                          lr=0.01, foreach=False)
+        groups = [{"params": matrices, "weight_decay": 0.05}, {"params": rest, "lr": 0.02}]
+        if self.flavor == "huggingface":
+            from transformers.optimization import Adafactor
+
+            optimizer = Adafactor(groups, lr=0.01, relative_step=False, beta1=0.9)
+        else:
+            optimizer = torch.optim.Adafactor(groups, lr=0.01, foreach=False)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.7)}
 
     def train_dataloader(self):
@@ -70,10 +79,11 @@ def _small_on_host(module: nn.Module, world_size: int) -> ElixirPlan:
                                chunks=tuple(dataclasses.replace(s, placement="cpu") for s in specs))
 
 
-def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None) -> None:
-    """EPOCHS epochs of ``WithAdafactor`` under DDP, "zero3" or "small" (``_small_on_host``); a checkpoint at
-    each epoch's end; rank 0 saves the final weights to ``run/final.pt``."""
-    model = WithAdafactor()
+def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None,
+        flavor: str = "torch") -> None:
+    """EPOCHS epochs of ``WithAdafactor(flavor)`` under DDP, "zero3" or "small" (``_small_on_host``); a
+    checkpoint at each epoch's end; rank 0 saves the final weights to ``run/final.pt``."""
+    model = WithAdafactor(flavor)
     if plan == "ddp":
         strategy = "ddp"
     else:
@@ -92,12 +102,16 @@ def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Pat
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adafactor")
     runs = {name: root / name for name in ("ddp", "zero3", "small", "zero3-resumed", "small-resumed", "one-rank",
-                                           "one-rank-ddp")}
+                                           "one-rank-ddp", "hf-ddp", "hf-small", "hf-small-resumed")}
     first = "epoch=0.ckpt"
     fit_on_ranks(2, [(runs["ddp"], "ddp", "full"), (runs["zero3"], "zero3", "full"),
                      (runs["small"], "small", "sharded"),
                      (runs["zero3-resumed"], "zero3", "full", runs["zero3"] / "ckpt" / first),
-                     (runs["small-resumed"], "small", "sharded", runs["small"] / "ckpt" / first)], fit_fn=fit)
+                     (runs["small-resumed"], "small", "sharded", runs["small"] / "ckpt" / first),
+                     (runs["hf-ddp"], "ddp", "full", None, "huggingface"),
+                     (runs["hf-small"], "small", "sharded", None, "huggingface"),
+                     (runs["hf-small-resumed"], "small", "sharded", runs["hf-small"] / "ckpt" / first, "huggingface")],
+                 fit_fn=fit)
     fit_on_ranks(1, [(runs["one-rank"], "zero2", "full", runs["small"] / "ckpt" / first),
                      (runs["one-rank-ddp"], "ddp", "full", runs["zero3"] / "ckpt" / first)], fit_fn=fit)
     return runs
@@ -118,9 +132,9 @@ def test_the_small_plan_splits_matrices_over_the_shards():
     assert any(model.get_parameter(name).ndim > 1 for name in split), split
 
 
-@pytest.mark.parametrize("plan", ["zero3", "small"])
+@pytest.mark.parametrize("plan", ["zero3", "small", "hf-small"])
 def test_adafactor_trains_to_ddps_weights(runs, plan):
-    ddp, start = _final(runs["ddp"]), WithAdafactor().state_dict()
+    ddp, start = _final(runs["hf-ddp" if plan.startswith("hf") else "ddp"]), WithAdafactor().state_dict()
     assert not torch.allclose(ddp["conv.weight"], start["conv.weight"])
     for key, value in _final(runs[plan]).items():
         torch.testing.assert_close(value, ddp[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -138,7 +152,7 @@ def test_the_full_checkpoint_holds_a_plain_adafactor_state_dict_with_ddps_moment
             torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-7, msg=f"{index} {key}")
 
 
-@pytest.mark.parametrize("plan", ["zero3", "small"])
+@pytest.mark.parametrize("plan", ["zero3", "small", "hf-small"])
 def test_a_resumed_fit_ends_with_the_uninterrupted_weights(runs, plan):
     for key, value in _final(runs[plan]).items():
         assert torch.equal(_final(runs[f"{plan}-resumed"])[key], value), key

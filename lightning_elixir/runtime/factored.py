@@ -1,7 +1,8 @@
 """Adafactor on shard views: factored second moments from partial sums, whole-parameter norms agreed.
 
 [Note: Adafactor on shards]
-``torch.optim.Adafactor`` is not element-wise, but every whole-parameter quantity it reads is a sum,
+Adafactor (``torch.optim.Adafactor``, and ``transformers.optimization.Adafactor``, which T5 and its
+kin are fine-tuned with) is not element-wise, but every whole-parameter quantity it reads is a sum,
 and sums split over shards: so it runs exactly on this rank's shard of each parameter, with two
 all-reduces a step (not a gather of any parameter or gradient). For a parameter of shape (..., R, C)
 it keeps a second moment per row (R values, the mean of the squared gradient over the row's columns)
@@ -19,7 +20,11 @@ the parameter's (its RMS scales the learning rate), the squared gradient's per r
 2. Each rank computes the update of its elements (the moment estimate at each element is its row's
    moment times its column's over the rows' mean, as torch's outer product gives) and its sum of
    squares per parameter; a second all-reduce of those.
-3. Each rank applies its part with torch's step-size schedule, weight decay and update clipping.
+3. Each rank applies its part with the optimizer's step-size schedule, weight decay and update
+   clipping (and Hugging Face's first moment, per element).
+
+The two differ in their arithmetic only (torch's clamps and scales by the moments' means, Hugging
+Face's adds ``eps`` to the squares and has relative steps and parameter scaling): one ``_Rule`` each.
 
 The row, column and update sums are added up in another order than torch's norms over the whole
 tensor (rank by rank, and row pieces first), so the result matches one process up to rounding
@@ -27,8 +32,8 @@ tensor (rank by rank, and row pieces first), so the result matches one process u
 (full-shaped, in plain optimizer state dicts) and every checkpoint format, a resume at another world
 size and a plan switch carry them as the other whole-tensor state (``state_dict.REPLICATED_STATE``).
 Offloaded chunks update here in host memory, and their compute shards are refreshed after; chunks on
-NVMe are refused, as for Muon ([Note: Muon on shards] in whole.py), and so is a subclass of
-Adafactor that overrides ``step``.
+NVMe are refused, as for Muon ([Note: Muon on shards] in whole.py), and so is a subclass of either
+that overrides ``step``.
 """
 
 from __future__ import annotations
@@ -48,16 +53,26 @@ from lightning_elixir.runtime.whole import chunks_of, install_step, refuse_nvme
 Adafactor: Optional[type] = getattr(torch.optim, "Adafactor", None)  # torch 2.5 and later
 
 
+def _huggingface_adafactor(cls: type) -> Optional[type]:
+    """The class of ``transformers.optimization.Adafactor`` among ``cls``'s bases (matched by name: the
+    runtime does not import transformers)."""
+    return next((base for base in cls.__mro__
+                 if base.__name__ == "Adafactor" and base.__module__ == "transformers.optimization"), None)
+
+
 def is_adafactor(cls: type) -> bool:
-    """Whether ``cls`` is torch's Adafactor or a subclass that keeps its ``step`` (compared unwrapped)."""
-    return (Adafactor is not None and issubclass(cls, Adafactor)
-            and inspect.unwrap(cls.step) is inspect.unwrap(Adafactor.step))
+    """Whether ``cls`` is torch's or Hugging Face's Adafactor, or a subclass that keeps its ``step``
+    (compared unwrapped: torch wraps ``step`` in a profiling hook)."""
+    base = Adafactor if Adafactor is not None and issubclass(cls, Adafactor) else _huggingface_adafactor(cls)
+    return base is not None and inspect.unwrap(cls.step) is inspect.unwrap(base.step)
 
 
 def install_adafactor_step(runtime: Any, optimizer: Optimizer) -> None:
     """Give ``optimizer`` (an Adafactor over shard views) the sharded step of the note."""
     refuse_nvme(runtime, optimizer, "Adafactor")
-    install_step(optimizer, _AdafactorStep(runtime, optimizer))
+    cls = type(optimizer)
+    rule = _TorchRule() if Adafactor is not None and issubclass(cls, Adafactor) else _HuggingFaceRule(cls)
+    install_step(optimizer, _AdafactorStep(runtime, optimizer, rule))
 
 
 @dataclass
@@ -98,10 +113,10 @@ class _Entry:
 
 
 class _AdafactorStep:
-    """``Adafactor.step`` over shard views ([Note: Adafactor on shards])."""
+    """An Adafactor's ``step`` over shard views ([Note: Adafactor on shards]); ``rule`` is torch's or Hugging Face's."""
 
-    def __init__(self, runtime: Any, optimizer: Optimizer) -> None:
-        self.runtime, self.optimizer = runtime, optimizer
+    def __init__(self, runtime: Any, optimizer: Optimizer, rule: "_Rule") -> None:
+        self.runtime, self.optimizer, self.rule = runtime, optimizer, rule
 
     @torch.no_grad()
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -113,23 +128,24 @@ class _AdafactorStep:
         dtype = torch.float64 if any(e.view.dtype == torch.float64 for e in entries) else torch.float32  # sums
         sums = torch.zeros(sum(e.size for e in entries) or 1, dtype=dtype, device=self.runtime.device)
         for entry in entries:
-            self._partial_sums(entry, sums)
+            _partial_sums(entry, sums)
         collectives.all_reduce_sum(sums, self.runtime.group)
         heads = sums[torch.tensor([e.offset for e in entries] + [e.offset + 1 for e in entries],
                                   device=sums.device, dtype=torch.long)].tolist() if entries else []
         trained = [(e, param_squares) for e, flag, param_squares in zip(entries, heads, heads[len(entries):]) if flag]
-        updates = torch.zeros(len(trained) or 1, dtype=dtype, device=self.runtime.device)
+        squares = torch.zeros(len(trained) or 1, dtype=dtype, device=self.runtime.device)
         steps = []
         for k, (entry, param_squares) in enumerate(trained):
-            update, alpha = self._update(entry, param_squares, sums)
+            state = self.optimizer.state[entry.view]
+            rms = math.sqrt(param_squares / entry.numel)
+            update, apply = self.rule.update(entry, state, rms, _moment_sums(entry, sums))
             if update is not None:
-                updates[k] = update.to(dtype).square().sum().to(updates.device)
-            steps.append((update, alpha))
-        collectives.all_reduce_sum(updates, self.runtime.group)
-        for (entry, _), (update, alpha), squares in zip(trained, steps, updates.tolist()):
+                squares[k] = update.to(dtype).square().sum().to(squares.device)
+            steps.append((update, apply))
+        collectives.all_reduce_sum(squares, self.runtime.group)
+        for (entry, _), (update, apply), total in zip(trained, steps, squares.tolist()):
             if update is not None:
-                denom = max(1.0, math.sqrt(squares) / (math.sqrt(entry.numel) * entry.group["d"]))
-                entry.view.add_(update, alpha=-alpha / denom)
+                apply(update, math.sqrt(total / entry.numel))
         for chunk in chunks_of(self.runtime, self.optimizer):  # no worker updated them ([Note: offloaded updates])
             if chunk.offloaded:
                 chunk.refresh_shard()
@@ -146,42 +162,77 @@ class _AdafactorStep:
                 offset += entry.size
         return out
 
-    def _partial_sums(self, entry: _Entry, sums: torch.Tensor) -> None:
-        """This rank's part of the entry's flag, squared parameter and (factored) row and column sums."""
-        view, grad = entry.view, entry.view.grad
-        if view.numel() == 0 or grad is None:
-            return
-        at = entry.offset
-        head = torch.stack([torch.ones((), dtype=sums.dtype, device=view.device), view.to(sums.dtype).square().sum()])
-        sums[at:at + 2] += head.to(sums.device)
-        if not entry.factored:
-            return
-        rows, r0, b0, _ = self._row_major(entry, grad.to(sums.dtype).square())
-        r1 = r0 + rows.shape[0]
-        sums[at + 2 + r0:at + 2 + r1] += rows.sum(1).to(sums.device)
-        columns = torch.zeros(int(b0[-1] - b0[0]) + 1, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        columns.index_add_(0, b0 - b0[0], rows)
-        c0 = at + 2 + entry.rows + int(b0[0]) * entry.shape[-1]
-        sums[c0:c0 + columns.numel()] += columns.reshape(-1).to(sums.device)
 
-    @staticmethod
-    def _row_major(entry: _Entry, flat: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-        """``flat`` (the view's elements) laid out in the rows of the parameter it covers, zero outside it:
-        (rows x C, the first row's index, each row's matrix index, ``flat``)."""
-        width = entry.shape[-1]
-        r0 = entry.first // width
-        r1 = (entry.first + flat.numel() - 1) // width + 1
-        padded = torch.zeros((r1 - r0) * width, dtype=flat.dtype, device=flat.device)
-        lead = entry.first - r0 * width
-        padded[lead:lead + flat.numel()] = flat
-        matrix = torch.arange(r0, r1, device=flat.device) // entry.shape[-2]
-        return padded.view(r1 - r0, width), r0, matrix, flat
+def _partial_sums(entry: _Entry, sums: torch.Tensor) -> None:
+    """This rank's part of the entry's flag, squared parameter and (factored) row and column sums."""
+    view, grad = entry.view, entry.view.grad
+    if view.numel() == 0 or grad is None:
+        return
+    at = entry.offset
+    head = torch.stack([torch.ones((), dtype=sums.dtype, device=view.device), view.to(sums.dtype).square().sum()])
+    sums[at:at + 2] += head.to(sums.device)
+    if not entry.factored:
+        return
+    rows, r0, matrix = _row_major(entry, grad.to(sums.dtype).square())
+    sums[at + 2 + r0:at + 2 + r0 + rows.shape[0]] += rows.sum(1).to(sums.device)
+    columns = torch.zeros(int(matrix[-1] - matrix[0]) + 1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    columns.index_add_(0, matrix - matrix[0], rows)
+    c0 = at + 2 + entry.rows + int(matrix[0]) * entry.shape[-1]
+    sums[c0:c0 + columns.numel()] += columns.reshape(-1).to(sums.device)
 
-    def _update(self, entry: _Entry, param_squares: float, sums: torch.Tensor) -> tuple[Optional[torch.Tensor], float]:
-        """Advance the entry's state; return its unclipped update (None where this rank holds none of it)
-        and its step size, and apply weight decay, as torch's single-tensor step does."""
+
+def _moment_sums(entry: _Entry, sums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A factored entry's whole sums of squared gradient per row and per column, flat; None for a vector."""
+    if not entry.factored:
+        return None
+    at = entry.offset + 2
+    return sums[at:at + entry.rows], sums[at + entry.rows:at + entry.rows + entry.cols]
+
+
+def _row_major(entry: _Entry, flat: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``flat`` (values of the view's elements) laid out in the rows of the parameter it covers, zero
+    outside it: (rows x C, the first row's index, each row's matrix index among the leading dimensions)."""
+    width = entry.shape[-1]
+    r0 = entry.first // width
+    r1 = (entry.first + flat.numel() - 1) // width + 1
+    padded = torch.zeros((r1 - r0) * width, dtype=flat.dtype, device=flat.device)
+    lead = entry.first - r0 * width
+    padded[lead:lead + flat.numel()] = flat
+    return padded.view(r1 - r0, width), r0, torch.arange(r0, r1, device=flat.device) // entry.shape[-2]
+
+
+def _at_elements(entry: _Entry, numel: int, per_row: torch.Tensor, per_matrix: torch.Tensor,
+                 per_column: torch.Tensor, combine: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``combine(row value, matrix value, column value)`` at each of this rank's elements of the entry, from
+    whole flat vectors per row (rows), per matrix of the leading dimensions and per column (cols)."""
+    width = entry.shape[-1]
+    r0 = entry.first // width
+    r1 = (entry.first + numel - 1) // width + 1
+    matrix = torch.arange(r0, r1, device=per_row.device) // entry.shape[-2]
+    out = combine(per_row[r0:r1, None], per_matrix[matrix, None], per_column.view(-1, width)[matrix])
+    lead = entry.first - r0 * width
+    return out.reshape(-1)[lead:lead + numel]
+
+
+Apply = Callable[[torch.Tensor, float], None]
+"""Applies an entry's update, given the RMS of its whole update."""
+
+
+class _Rule:
+    """One Adafactor's arithmetic: state, the update from the whole sums, and how it is applied."""
+
+    def update(self, entry: _Entry, state: dict, param_rms: float,
+               moment_sums: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Optional[torch.Tensor], Apply]:
+        """Advance ``state`` (on every rank, for every trained entry); return this rank's part of the update
+        before clipping (None where it holds none of the entry) and what applies it."""
+        raise NotImplementedError
+
+
+class _TorchRule(_Rule):
+    """``torch.optim.Adafactor``'s single-tensor step."""
+
+    def update(self, entry, state, param_rms, moment_sums):
         group, view = entry.group, entry.view
-        state = self.optimizer.state[view]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
             if entry.factored:
@@ -196,30 +247,85 @@ class _AdafactorStep:
         state["step"] += 1
         step = state["step"].item()
         one_minus_beta2 = step ** group["beta2_decay"]
-        alpha = max(eps2, math.sqrt(param_squares) / math.sqrt(entry.numel)) * min(lr, 1 / step ** 0.5)
+        alpha = max(eps2, param_rms) * min(lr, 1 / step ** 0.5)
         if group["weight_decay"] != 0:
             view.mul_(1 - lr * group["weight_decay"])
+
+        def apply(update: torch.Tensor, update_rms: float) -> None:
+            view.add_(update, alpha=-alpha / max(1.0, update_rms / group["d"]))
+
         grad = view.grad
-        if entry.factored:
-            at = entry.offset + 2
+        if grad is not None and group["maximize"]:
+            grad = -grad
+        if moment_sums is not None:
             row_var, col_var = state["row_var"], state["col_var"]
-            row_sums = sums[at:at + entry.rows].view(row_var.shape)
-            row_var.lerp_((row_sums / entry.shape[-1]).to(row_var.device, row_var.dtype), one_minus_beta2)
-            col_sums = sums[at + entry.rows:at + entry.rows + entry.cols].view(col_var.shape)
-            col_var.lerp_((col_sums / entry.shape[-2]).to(col_var.device, col_var.dtype), one_minus_beta2)
+            rows, cols = moment_sums
+            row_var.lerp_((rows / entry.shape[-1]).view(row_var.shape).to(row_var.device, row_var.dtype),
+                          one_minus_beta2)
+            col_var.lerp_((cols / entry.shape[-2]).view(col_var.shape).to(col_var.device, col_var.dtype),
+                          one_minus_beta2)
             if view.numel() == 0 or grad is None:
-                return None, alpha
-            grad = -grad if group["maximize"] else grad
-            rows, r0, matrix, _ = self._row_major(entry, grad)
+                return None, apply
             row_mean = row_var.reshape(-1, entry.shape[-2]).mean(dim=1).clamp_(min=eps1)
-            estimate = (row_var.reshape(-1)[r0:r0 + rows.shape[0], None]
-                        * col_var.reshape(-1, entry.shape[-1])[matrix]).div_(row_mean[matrix, None])
-            lead = entry.first - r0 * entry.shape[-1]
-            estimate = estimate.reshape(-1)[lead:lead + view.numel()]
+            estimate = _at_elements(entry, view.numel(), row_var.reshape(-1), row_mean, col_var.reshape(-1),
+                                    lambda row, mean, col: (row * col).div_(mean))
         else:
             if view.numel() == 0 or grad is None:
-                return None, alpha
-            grad = -grad if group["maximize"] else grad
+                return None, apply
             state["variance"].lerp_(grad * grad, one_minus_beta2)
             estimate = state["variance"].clone()
-        return estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad), alpha
+        return estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad), apply
+
+
+class _HuggingFaceRule(_Rule):
+    """``transformers.optimization.Adafactor``'s step (relative steps, parameter scaling, ``beta1``); its
+    ``RMS`` state is kept as a number (torch's is a tensor), which its ``_get_lr`` reads alike."""
+
+    def __init__(self, optimizer_class: type) -> None:
+        self.optimizer_class = optimizer_class  # whose _get_lr (a subclass may override it) gives the step size
+
+    def update(self, entry, state, param_rms, moment_sums):
+        group, view = entry.group, entry.view
+        if not state:
+            state["step"] = 0
+            if group["beta1"] is not None:
+                state["exp_avg"] = torch.zeros_like(view)
+            if entry.factored:
+                state["exp_avg_sq_row"] = torch.zeros(entry.shape[:-1], dtype=view.dtype, device=view.device)
+                state["exp_avg_sq_col"] = torch.zeros((*entry.shape[:-2], entry.shape[-1]), dtype=view.dtype,
+                                                      device=view.device)
+            else:
+                state["exp_avg_sq"] = torch.zeros_like(view)
+            state["RMS"] = 0
+        state["step"] += 1
+        state["RMS"] = param_rms
+        lr = self.optimizer_class._get_lr(group, state)
+        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+        eps1 = group["eps"][0]
+
+        def apply(update: torch.Tensor, update_rms: float) -> None:
+            update.div_(max(update_rms / group["clip_threshold"], 1.0)).mul_(lr)
+            if group["beta1"] is not None:
+                update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=1 - group["beta1"])
+            if group["weight_decay"] != 0:
+                view.add_(view, alpha=-group["weight_decay"] * lr)
+            view.add_(-update)
+
+        grad = view.grad
+        if moment_sums is not None:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            rows, cols = moment_sums
+            row.mul_(beta2t).add_((rows / entry.shape[-1] + eps1).view(row.shape).to(row.device, row.dtype),
+                                  alpha=1.0 - beta2t)
+            col.mul_(beta2t).add_((cols / entry.shape[-2] + eps1).view(col.shape).to(col.device, col.dtype),
+                                  alpha=1.0 - beta2t)
+            if view.numel() == 0 or grad is None:
+                return None, apply
+            row_mean = row.reshape(-1, entry.shape[-2]).mean(dim=1)
+            factor = _at_elements(entry, view.numel(), row.reshape(-1), row_mean, col.reshape(-1),
+                                  lambda r, mean, c: (r / mean).rsqrt_() * c.rsqrt())
+            return factor.mul_(grad), apply
+        if view.numel() == 0 or grad is None:
+            return None, apply
+        state["exp_avg_sq"].mul_(beta2t).add_(grad ** 2 + eps1, alpha=1.0 - beta2t)
+        return state["exp_avg_sq"].rsqrt().mul_(grad), apply

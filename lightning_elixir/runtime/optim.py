@@ -64,8 +64,9 @@ def elementwise_optimizer(cls: type) -> type:
     Use it as a class decorator on an optimizer whose update of each parameter element reads only
     that element's parameter, gradient and state (and scalars such as lr or the step count): Lion,
     a subclass of SGD that overrides ``step`` to log. Norms, means or shapes of whole parameters
-    (LARS, LAMB) are not element-wise: on a shard they would see a slice only. (torch's Muon and
-    Adafactor run a step of the runtime's own: [Note: Muon on shards], [Note: Adafactor on shards].)
+    (LARS, LAMB) are not element-wise: on a shard they would see a slice only. (torch's Muon, and torch's
+    and Hugging Face's Adafactor, run a step of the runtime's own: [Note: Muon on shards], [Note:
+    Adafactor on shards].)
     Offloaded chunks run extra instances of the class built as ``cls(param_groups)`` ([Note: shadow
     optimizers] in shadow.py), so every constructor argument other than the parameters needs a default.
     """

@@ -137,9 +137,10 @@ def optimizer_views(runtime, optimizer: Optimizer) -> list[tuple[Chunk, Slot, to
     return out
 
 
-REPLICATED_STATE = frozenset({"row_var", "col_var"})
-"""Optimizer state that every rank holds whole and alike, whatever its shape: Adafactor's factored
-second moments ([Note: Adafactor on shards] in factored.py). Saved and moved as ``step`` is."""
+REPLICATED_STATE = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
+"""Optimizer state that every rank holds whole and alike, whatever its shape: the factored second
+moments of torch's and Hugging Face's Adafactor ([Note: Adafactor on shards] in factored.py). Saved
+and moved as ``step`` is."""
 
 
 def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
