@@ -3,13 +3,15 @@ lightning_elixir/rank_hooks.py), on two gloo ranks against DDP.
 
 A momentum teacher (BYOL's, a mean teacher's) updated from the student in the module's
 ``on_train_batch_end``; a callback of the user's that scales a weight in ``on_train_start`` and records
-a weight's norm in ``on_train_epoch_end``; the module's ``on_save_checkpoint`` storing a weight's sum.
+a weight's norm in ``on_train_epoch_end`` (and, on rank 0 only, a sum of a weight gathered up front with
+``gathered_params(params=...)``, nested in the hook's region); the module's ``on_save_checkpoint`` storing a weight's sum.
 Under zero3 (chunks released between steps) and plan="auto" the weights, the recorded norms and the
 stored sums are DDP's, and after fit the module and the callback have their own hooks back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -61,6 +63,7 @@ class MomentumTeacher(L.LightningModule):
 class WeightWatcher(L.Callback):
     def __init__(self) -> None:
         self.norms: list[float] = []
+        self.rank_zero_sums: list[float] = []
 
     @torch.no_grad()
     def on_train_start(self, trainer, pl_module):
@@ -68,6 +71,11 @@ class WeightWatcher(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.norms.append(pl_module.student[0].weight.norm().item())
+        weight = pl_module.teacher[2].weight  # read on rank 0 only: gathered up front, in the hook's region too
+        gathered = getattr(trainer.strategy, "gathered_params", contextlib.nullcontext)
+        with gathered(params=[weight]) if gathered is not contextlib.nullcontext else gathered():
+            if trainer.global_rank == 0:
+                self.rank_zero_sums.append(weight.sum().item())
 
 
 def fit(run: Path, world_size: int, plan: str) -> None:
@@ -82,7 +90,8 @@ def fit(run: Path, world_size: int, plan: str) -> None:
                        for hook in ("on_train_batch_end", "on_train_start", "on_train_epoch_end", "on_save_checkpoint"))
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run / "final.pt")
-        (run / "seen.json").write_text(json.dumps({"norms": watcher.norms, "restored": restored}))
+        (run / "seen.json").write_text(json.dumps({"norms": watcher.norms, "sums": watcher.rank_zero_sums,
+                                                   "restored": restored}))
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +112,8 @@ def test_weights_read_and_written_in_hooks_every_rank_runs_are_ddps(runs, plan):
     seen, ddp_seen = (json.loads((runs[name] / "seen.json").read_text()) for name in (plan, "ddp"))
     assert len(seen["norms"]) == EPOCHS and seen["restored"]
     torch.testing.assert_close(torch.tensor(seen["norms"]), torch.tensor(ddp_seen["norms"]), rtol=1e-5, atol=1e-6)
+    assert len(seen["sums"]) == EPOCHS
+    torch.testing.assert_close(torch.tensor(seen["sums"]), torch.tensor(ddp_seen["sums"]), rtol=1e-5, atol=1e-6)
     for epoch in range(EPOCHS):
         stored, ddp_stored = (torch.load(runs[name] / "ckpt" / f"epoch={epoch}.ckpt", weights_only=False)["teacher_sum"]
                               for name in (plan, "ddp"))

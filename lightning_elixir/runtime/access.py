@@ -264,21 +264,26 @@ class AccessGuard:
                 Default: none up front.
             grads: also gather these parameters' gradients on entry.
         """
-        if self._region is not None:  # nested: the outer region holds and writes back
+        if self._region is not None:  # nested: the outer region holds and writes back what this one gathers
+            self._gather_up_front(params, grads)
             yield
             return
         self._region = _Region()
         self.grads.finish_unreported()  # gradients a backward left unreduced belong in the shards first
         try:
-            for p in params or ():
-                self.on_param_read(p)
-                if grads:
-                    self.on_grad_read(p)
+            self._gather_up_front(params, grads)
             yield
         finally:
             region, self._region = self._region, None
             self.flush_grads()
             self._let_go(region)
+
+    def _gather_up_front(self, params: Optional[Iterable[nn.Parameter]], grads: bool) -> None:
+        """Gather ``params`` (and their gradients) now, on every rank: code inside may read them on some."""
+        for p in params or ():
+            self.on_param_read(p)
+            if grads:
+                self.on_grad_read(p)
 
     def _let_go(self, region: _Region) -> None:
         for index in region.public:

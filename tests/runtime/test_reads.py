@@ -264,3 +264,26 @@ def test_copies_and_pickles_of_chunked_parameters_are_plain_values():
     loaded = torch.load(buffer, weights_only=False)
     assert type(loaded) is nn.Parameter
     torch.testing.assert_close(loaded, reference.mix.weight)
+
+
+def _read_on_one_rank_in_a_nested_region(rank: int, world_size: int) -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 6))
+    plain = copy.deepcopy(model)
+    runtime = ElixirRuntime(model, one_param_per_chunk(model, world_size))
+    seen = None
+    with runtime.gathered():  # the strategy's, around a hook every rank runs ([Note: hooks every rank runs])
+        with runtime.gathered(params=[model[1].weight]):  # the user's, for a read on rank 0 only
+            if rank == 0:
+                seen = model[1].weight.sum().item()
+        total = model[0].weight.sum().item()  # then a read on every rank
+    runtime.restore_module()
+    return seen, total, plain[1].weight.sum().item(), plain[0].weight.sum().item()
+
+
+def test_a_nested_region_gathers_its_params_up_front_for_reads_on_some_ranks():
+    """Without the up-front gather the read on rank 0 gathers alone, and its all-gather meets another chunk's."""
+    (seen, total, want_seen, want_total), (other, other_total, _, _) = run_distributed(
+        _read_on_one_rank_in_a_nested_region, 2)
+    assert seen == pytest.approx(want_seen) and other is None
+    assert total == pytest.approx(want_total) and other_total == pytest.approx(want_total)
