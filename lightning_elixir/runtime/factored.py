@@ -119,11 +119,7 @@ class _AdafactorStep:
         self.runtime, self.optimizer, self.rule = runtime, optimizer, rule
 
     @torch.no_grad()
-    def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def __call__(self) -> None:
         entries = self._entries()
         dtype = torch.float64 if any(e.view.dtype == torch.float64 for e in entries) else torch.float32  # sums
         sums = torch.zeros(sum(e.size for e in entries) or 1, dtype=dtype, device=self.runtime.device)
@@ -149,7 +145,6 @@ class _AdafactorStep:
         for chunk in chunks_of(self.runtime, self.optimizer):  # no worker updated them ([Note: offloaded updates])
             if chunk.offloaded:
                 chunk.refresh_shard()
-        return loss
 
     def _entries(self) -> list[_Entry]:
         index, out, offset = self.runtime.view_index(), [], 0

@@ -62,8 +62,8 @@ def install_muon_step(runtime: Any, optimizer: Optimizer) -> None:
 _own_steps: "weakref.WeakKeyDictionary[Optimizer, Callable[..., Any]]" = weakref.WeakKeyDictionary()
 
 
-def install_step(optimizer: Optimizer, step: Callable[[Optional[Callable[[], Any]]], Any]) -> None:
-    """Make ``step`` (called with the closure) ``optimizer.step``, as a method bound to it.
+def install_step(optimizer: Optimizer, step: Callable[[], None]) -> None:
+    """Make ``step`` (after the closure, if one is given) ``optimizer.step``, as a method bound to it.
 
     torch's LR schedulers wrap ``optimizer.step`` when they are made, to learn that it ran before
     them: a scheduler made later (by the user, or again after a plan switch) rebinds the function of
@@ -87,7 +87,12 @@ def install_step(optimizer: Optimizer, step: Callable[[Optional[Callable[[], Any
 
 
 def _run_own_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-    return _own_steps[optimizer](closure)
+    loss = None
+    if closure is not None:  # as torch's optimizers run it: with gradients, before the update
+        with torch.enable_grad():
+            loss = closure()
+    _own_steps[optimizer]()
+    return loss
 
 
 def refuse_nvme(runtime: Any, optimizer: Optimizer, name: str) -> None:
@@ -113,11 +118,7 @@ class _MuonStep:
         self.runtime, self.optimizer = runtime, optimizer
 
     @torch.no_grad()
-    def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def __call__(self) -> None:
         runtime, optimizer = self.runtime, self.optimizer
         index = runtime.view_index()
         entries = [(group, view) for group in optimizer.param_groups for view in group["params"]]
@@ -131,7 +132,6 @@ class _MuonStep:
         for i in sorted(by_chunk):  # the same chunks in the same order on every rank
             members = by_chunk[i]
             self._chunk_step(index[id(members[0][1])][0], members, index)
-        return loss
 
     def _chunk_step(self, chunk: Any, members: list[tuple[dict, nn.Parameter]], index: dict) -> None:
         updates = torch.zeros(chunk.shard_numel, dtype=chunk.master.dtype, device=chunk.master.device)
