@@ -16,21 +16,19 @@ schedule, clipped by norm, on two gloo ranks against DDP:
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Optional
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.plan import slot_offsets
-from lightning_elixir.runtime.layout import resolve_specs
-from tests.test_resume import COLLECTIVE_TIMEOUT, fit_on_ranks
+from tests.epoch_fits import final_weights, fit_epochs
+from tests.plans import split_on_host
+from tests.test_resume import fit_on_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is new in torch 2.5")
 
@@ -71,31 +69,13 @@ class WithAdafactor(L.LightningModule):
         return DataLoader(Subset(data, range(self.trainer.global_rank, SAMPLES, ranks)), batch_size=GLOBAL_BATCH // ranks)
 
 
-def _small_on_host(module: nn.Module, world_size: int) -> ElixirPlan:
-    """Chunks of 1200 elements (matrices split over the ranks' shards), every chunk's state on the host, two cache blocks."""
-    plan = ElixirPlan(chunk_numel=1200, cache_blocks=2, prefetch_depth=1)
-    specs = resolve_specs(module, plan, world_size)
-    return dataclasses.replace(plan, world_size=world_size,
-                               chunks=tuple(dataclasses.replace(s, placement="cpu") for s in specs))
-
-
 def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None,
         flavor: str = "torch") -> None:
-    """EPOCHS epochs of ``WithAdafactor(flavor)`` under DDP, "zero3" or "small" (``_small_on_host``); a
+    """EPOCHS epochs of ``WithAdafactor(flavor)`` under DDP, "zero3" or "small" (``split_on_host``); a
     checkpoint at each epoch's end; rank 0 saves the final weights to ``run/final.pt``."""
     model = WithAdafactor(flavor)
-    if plan == "ddp":
-        strategy = "ddp"
-    else:
-        strategy = ElixirStrategy(plan=_small_on_host(model, world_size) if plan == "small" else plan,
-                                  state_dict_type=fmt, collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS, logger=False,
-                        use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=run, gradient_clip_val=0.5,
-                        callbacks=[ModelCheckpoint(dirpath=run / "ckpt", filename="{epoch}", save_top_k=-1)])
-    trainer.fit(model, ckpt_path=ckpt_path)
-    if trainer.is_global_zero:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run / "final.pt")
+    plan = split_on_host(model, world_size, 1200) if plan == "small" else plan
+    fit_epochs(model, run, world_size, plan, fmt, EPOCHS, ckpt_path, gradient_clip_val=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +97,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
-def _final(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "final.pt")
-
-
 def test_the_small_plan_splits_matrices_over_the_shards():
     model = WithAdafactor()
     split = []
-    for spec in _small_on_host(model, 2).chunks:
+    for spec in split_on_host(model, 2, 1200).chunks:
         numels = [model.get_parameter(name).numel() for name in spec.params]
         for name, offset, numel in zip(spec.params, slot_offsets(numels), numels):
             if offset < spec.numel // 2 < offset + numel:
@@ -134,9 +110,9 @@ def test_the_small_plan_splits_matrices_over_the_shards():
 
 @pytest.mark.parametrize("plan", ["zero3", "small", "hf-small"])
 def test_adafactor_trains_to_ddps_weights(runs, plan):
-    ddp, start = _final(runs["hf-ddp" if plan.startswith("hf") else "ddp"]), WithAdafactor().state_dict()
+    ddp, start = final_weights(runs["hf-ddp" if plan.startswith("hf") else "ddp"]), WithAdafactor().state_dict()
     assert not torch.allclose(ddp["conv.weight"], start["conv.weight"])
-    for key, value in _final(runs[plan]).items():
+    for key, value in final_weights(runs[plan]).items():
         torch.testing.assert_close(value, ddp[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
@@ -154,13 +130,13 @@ def test_the_full_checkpoint_holds_a_plain_adafactor_state_dict_with_ddps_moment
 
 @pytest.mark.parametrize("plan", ["zero3", "small", "hf-small"])
 def test_a_resumed_fit_ends_with_the_uninterrupted_weights(runs, plan):
-    for key, value in _final(runs[plan]).items():
-        assert torch.equal(_final(runs[f"{plan}-resumed"])[key], value), key
+    for key, value in final_weights(runs[plan]).items():
+        assert torch.equal(final_weights(runs[f"{plan}-resumed"])[key], value), key
 
 
 def test_a_fit_resumed_on_one_rank_from_two_ranks_sharded_checkpoint_continues_as_ddp_does(runs):
-    ddp = _final(runs["one-rank-ddp"])
+    ddp = final_weights(runs["one-rank-ddp"])
     resumed_from = torch.load(runs["zero3"] / "ckpt" / "epoch=0.ckpt", weights_only=False)["state_dict"]
     assert not torch.allclose(ddp["net.2.weight"], resumed_from["net.2.weight"], rtol=1e-3, atol=1e-4)
     for key, value in ddp.items():
-        torch.testing.assert_close(_final(runs["one-rank"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(final_weights(runs["one-rank"])[key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -12,20 +12,18 @@ ranks, against DDP:
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Optional
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from lightning_elixir import ElixirPlan, ElixirStrategy
-from lightning_elixir.runtime.layout import resolve_specs
-from tests.test_resume import COLLECTIVE_TIMEOUT, fit_on_ranks
+from tests.epoch_fits import final_weights, fit_epochs
+from tests.plans import split_on_host
+from tests.test_resume import fit_on_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
 
@@ -65,31 +63,12 @@ class WithMuon(L.LightningModule):
         return DataLoader(Subset(data, range(self.trainer.global_rank, SAMPLES, ranks)), batch_size=GLOBAL_BATCH // ranks)
 
 
-def _small_on_host(module: nn.Module, world_size: int) -> ElixirPlan:
-    """Chunks of 800 elements (the 768-element matrix and the others split over the ranks' shards), every
-    chunk's state on the host, two cache blocks."""
-    plan = ElixirPlan(chunk_numel=800, cache_blocks=2, prefetch_depth=1)
-    specs = resolve_specs(module, plan, world_size)
-    return dataclasses.replace(plan, world_size=world_size,
-                               chunks=tuple(dataclasses.replace(s, placement="cpu") for s in specs))
-
-
 def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None) -> None:
-    """EPOCHS epochs of ``WithMuon`` under DDP, "zero2", "zero3" or "small" (``_small_on_host``); a checkpoint at
+    """EPOCHS epochs of ``WithMuon`` under DDP, "zero2", "zero3" or "small" (``split_on_host``); a checkpoint at
     each epoch's end; rank 0 saves the final weights to ``run/final.pt``."""
     model = WithMuon()
-    if plan == "ddp":
-        strategy = "ddp"
-    else:
-        strategy = ElixirStrategy(plan=_small_on_host(model, world_size) if plan == "small" else plan,
-                                  state_dict_type=fmt, collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS, logger=False,
-                        use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=run,
-                        callbacks=[ModelCheckpoint(dirpath=run / "ckpt", filename="{epoch}", save_top_k=-1)])
-    trainer.fit(model, ckpt_path=ckpt_path)
-    if trainer.is_global_zero:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run / "final.pt")
+    plan = split_on_host(model, world_size, 800) if plan == "small" else plan
+    fit_epochs(model, run, world_size, plan, fmt, EPOCHS, ckpt_path)
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +86,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
-def _final(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "final.pt")
-
-
 @pytest.mark.parametrize("plan", ["zero3", "small"])
 def test_muon_trains_to_ddps_weights(runs, plan):
-    ddp, start = _final(runs["ddp"]), WithMuon().state_dict()
+    ddp, start = final_weights(runs["ddp"]), WithMuon().state_dict()
     assert not torch.allclose(ddp["net.2.weight"], start["net.2.weight"])
-    for key, value in _final(runs[plan]).items():
+    for key, value in final_weights(runs[plan]).items():
         torch.testing.assert_close(value, ddp[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
@@ -130,15 +105,15 @@ def test_the_full_checkpoint_holds_a_plain_muon_state_dict_with_ddps_momentum(ru
 
 @pytest.mark.parametrize("plan", ["zero3", "small"])
 def test_a_resumed_fit_ends_with_the_uninterrupted_weights(runs, plan):
-    for key, value in _final(runs[plan]).items():
-        assert torch.equal(_final(runs[f"{plan}-resumed"])[key], value), key
+    for key, value in final_weights(runs[plan]).items():
+        assert torch.equal(final_weights(runs[f"{plan}-resumed"])[key], value), key
 
 
 def test_a_fit_resumed_on_one_rank_from_two_ranks_sharded_checkpoint_continues_as_ddp_does(runs):
     """Against DDP resumed on one rank from the zero3 fit's full checkpoint of the same step (the same
     values): not against the two ranks' fit, which sums each gradient in another order, a rounding that
     Muon's orthogonalisation in bf16 turns into differences of 1e-3 (as between DDP on one and two ranks)."""
-    ddp = _final(runs["one-rank-ddp"])
-    assert not torch.allclose(ddp["net.2.weight"], _final(runs["small"])["net.2.weight"], rtol=1e-5, atol=1e-6)
+    ddp = final_weights(runs["one-rank-ddp"])
+    assert not torch.allclose(ddp["net.2.weight"], final_weights(runs["small"])["net.2.weight"], rtol=1e-5, atol=1e-6)
     for key, value in ddp.items():
-        torch.testing.assert_close(_final(runs["one-rank"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(final_weights(runs["one-rank"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
