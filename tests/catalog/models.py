@@ -1372,11 +1372,43 @@ class WithOptimizer(Classifier):
         elif self.kind == "adagrad":  # its constructor makes per-element state (the sums) from the parameters
             opt = torch.optim.Adagrad(by_dim, lr=5e-2, initial_accumulator_value=0.1, lr_decay=0.01)
             sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "interval": "step"}
+        elif self.kind == "adafactor":  # not element-wise: the runtime's own step ([Note: Adafactor on shards])
+            opt = torch.optim.Adafactor(by_dim, lr=2e-2)
+            sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "interval": "step"}
+        elif self.kind == "hf_adafactor":  # Hugging Face's: relative steps scaled by each parameter's RMS
+            from transformers.optimization import Adafactor
+
+            return Adafactor(by_module, lr=None, beta1=0.9)  # its own schedule: no lr for a scheduler to scale
         else:
             opt = torch.optim.RMSprop(by_module, lr=1e-2, momentum=0.5, alpha=0.9)
             sched = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
                      "interval": "step"}
         return {"optimizer": opt, "lr_scheduler": sched}
+
+
+class MomentumTeacher(Classifier):
+    """A student and its momentum teacher (BYOL's, a mean teacher's): the teacher's outputs are a target,
+    and the module moves the teacher towards the student in its own ``on_train_batch_end``, in place, with
+    no ``gathered_params()`` ([Note: hooks every rank runs])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 32, 4)
+        self.teacher = mlp(8, 32, 4)
+        self.teacher.requires_grad_(False)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(batch[0]).softmax(-1)
+        return super().loss(batch) + F.mse_loss(self(batch[0]).softmax(-1), target)
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for teacher, student in zip(self.teacher.parameters(), self.net.parameters()):
+            teacher.lerp_(student, 0.3)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
 
 
 class NoOptimizer(Classifier):
@@ -2580,10 +2612,13 @@ CASES: list[Case] = [
     Case("adamw_decay_groups_cosine", lambda: WithOptimizer("adamw"), cls_data, ddp_check=_check_lrs_change),
     Case("rmsprop_groups_lambdalr", lambda: WithOptimizer("rmsprop"), cls_data, ddp_check=_check_lrs_change),
     Case("adagrad_state_from_its_constructor", lambda: WithOptimizer("adagrad"), cls_data, ddp_check=_check_lrs_change),
+    Case("adafactor_groups_steplr", lambda: WithOptimizer("adafactor"), cls_data, ddp_check=_check_lrs_change),
+    Case("hf_adafactor_relative_steps", lambda: WithOptimizer("hf_adafactor"), cls_data),
     Case("configure_optimizers_returns_none", NoOptimizer, cls_data, trains=False),
     Case("meta_init_configure_model", MetaInit, cls_data),
     # callbacks
     Case("ema_callback", SequentialMLP, cls_data, run=fit_with(EMA, keep=_ema_extras)),
+    Case("momentum_teacher_in_batch_end", MomentumTeacher, cls_data),
     Case("weight_norm_callback", SequentialMLP, cls_data, run=fit_with(WeightNormLogger, keep=_norm_extras)),
     # entry points
     Case("validate_without_fit", lambda: NormMLP("layer"), _eval_data("val", cls_set), run=validate_only, trains=False),
