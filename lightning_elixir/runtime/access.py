@@ -114,7 +114,10 @@ class AccessGuard:
         chunk, slot = self.table.where(param)
         if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
             owner = self.table.owner(param)
-            if (owner is not None and owner.active) or in_backward() or (chunk.private and self.in_region()):
+            if (owner is not None and owner.active) or in_backward():
+                return False
+            if chunk.private and self.in_region():
+                chunk.exposed = True  # a write through ``.data`` moves no version counter: compare at release
                 return False
         if not self.in_region():
             raise OutsideStepError(f"parameter {slot.name!r} is sharded over the ranks outside the training step "
