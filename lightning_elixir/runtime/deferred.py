@@ -258,6 +258,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = dict(kwargs or {})
         if "device" in kwargs and not _flat_tensors((args, kwargs)):  # a factory: empty, zeros, arange, randn...
+            if _is_empty(func(*args, **{**kwargs, "device": _META})):
+                # Holds no memory, and may get a real storage next: ``torch.load`` rebuilds each tensor as
+                # ``torch.empty(0).set_(storage)``, so a state dict loaded in the build stays real.
+                return func(*args, **kwargs)
             kwargs["device"] = _META  # replayed on the record's device, where the real build makes its tensors
         try:
             out = func(*args, **kwargs)
@@ -272,6 +276,10 @@ class _Recorder(TorchDispatchMode):
         out = tree_map(_disguise, out)
         self.record.record(func, args, kwargs, out)
         return out
+
+
+def _is_empty(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 0
 
 
 def _disguise(value: Any) -> Any:

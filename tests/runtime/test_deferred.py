@@ -87,6 +87,25 @@ def test_hugging_face_models_replay_their_own_initialisation(family: str) -> Non
     _replays_like_a_real_build(build)
 
 
+@pytest.mark.parametrize("loader", ["torch", "safetensors"])
+def test_weights_loaded_during_the_build_replay_as_loaded(tmp_path, loader: str) -> None:
+    """A pretrained state dict read from a file in the build (``configure_model``) and loaded into it."""
+    torch.manual_seed(1)
+    pretrained = BUILDS["mlp"]()
+    if loader == "torch":
+        torch.save(pretrained.state_dict(), tmp_path / "weights.pt")
+        load = lambda: torch.load(tmp_path / "weights.pt")  # noqa: E731
+    else:
+        st = pytest.importorskip("safetensors.torch")
+        st.save_file(pretrained.state_dict(), tmp_path / "weights.safetensors")
+        load = lambda: st.load_file(tmp_path / "weights.safetensors")  # noqa: E731
+    with record_init(torch.device("cpu")) as record:
+        model = BUILDS["mlp"]()
+        model.load_state_dict(load())
+    for (name, want), (_, made) in zip(_tensors(pretrained), _tensors(model)):
+        assert torch.equal(record.materialize(made) if made.is_meta else made, want), name
+
+
 def test_a_meta_tensor_made_elsewhere_is_not_claimed() -> None:
     with record_init(torch.device("cpu")) as record:
         nn.Linear(2, 2)
