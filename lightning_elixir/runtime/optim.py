@@ -210,13 +210,15 @@ def clipped_grads(runtime, optimizer: Optional[Optimizer]) -> list[torch.Tensor]
     """The gradients that clipping for ``optimizer`` acts on: those of its parameters, as torch's clipping
     of ``optimizer``'s parameters does (two optimizers, or one over some of the trainable parameters, clip
     apart). Whole gradient shards, fewer and larger tensors, where it holds every trainable parameter
-    (their other elements are padding and frozen parameters' gaps, all zero)."""
+    (their other elements are padding and frozen parameters' gaps, all zero) and every parameter another
+    optimizer holds: one frozen by ``toggle_optimizer`` keeps the gradient of its own optimizer's step."""
     shards = runtime.grad_shards()
     if optimizer is None:
         return shards
     views = [view for group in optimizer.param_groups for view in group["params"]]
     mine, view_of = {id(view) for view in views}, runtime.table.views
-    if all(id(view_of.get(id(p))) in mine for p in runtime.protocol.trainable.params):
+    if (all(id(view_of.get(id(p))) in mine for p in runtime.protocol.trainable.params)
+            and all(id(view) in mine for view in view_of.values())):
         return shards
     return [view.grad for view in views if view.grad is not None]
 

@@ -1179,12 +1179,14 @@ class GAN(L.LightningModule):
     """Two optimizers, manual optimization with toggle_optimizer; noise drawn from the global RNG.
     ``zero_after_step``: each optimizer zeroes its gradients after its step rather than before its
     backward, so the discriminator's gradients are right only where the generator's loss computed none
-    for it (toggle_optimizer froze it)."""
+    for it (toggle_optimizer froze it). ``clip``: the generator's gradients are clipped to this norm with
+    ``self.clip_gradients`` while the discriminator, frozen by the toggle, holds its own step's gradients."""
 
-    def __init__(self, zero_after_step: bool = False, d_every: int = 1) -> None:
+    def __init__(self, zero_after_step: bool = False, d_every: int = 1, clip: Optional[float] = None) -> None:
         super().__init__()
         self.zero_after_step = zero_after_step
         self.d_every = d_every
+        self.clip = clip
         """The discriminator accumulates over this many batches (the generator steps in between, toggled)."""
         self.automatic_optimization = False
         self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
@@ -1220,6 +1222,8 @@ class GAN(L.LightningModule):
         if not self.zero_after_step:
             opt.zero_grad()
         self.manual_backward(loss)
+        if self.clip is not None and opt is self.optimizers()[0]:
+            self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
         if now:
             opt.step()
             if self.zero_after_step:
@@ -2560,6 +2564,7 @@ CASES: list[Case] = [
          ddp=dict(find_unused_parameters=True)),
     Case("manual_gan_discriminator_accumulating_across_generator_steps", lambda: GAN(zero_after_step=True, d_every=2),
          cls_data, ddp=dict(find_unused_parameters=True)),
+    Case("manual_gan_toggled_generator_clipped", lambda: GAN(clip=0.05), cls_data, ddp=dict(find_unused_parameters=True)),
     Case("two_optimizers_each_zeroing_after_its_step", ZeroedByEach, cls_data, ddp=dict(find_unused_parameters=True)),
     Case("grad_norm_logged", GradNormLogging, cls_data),
     Case("manual_clip_grad_norm", ManualClip, cls_data, ddp_check=_check_clipping_needed),
