@@ -109,15 +109,17 @@ class AccessGuard:
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def on_param_read(self, param: nn.Parameter) -> bool:
-        """Make ``param``'s values real for a read; True when it was read outside the hooks."""
+    def on_param_read(self, param: nn.Parameter, aliasing: bool = False) -> bool:
+        """Make ``param``'s values real for a read; True when it was read outside the hooks. ``aliasing``:
+        a read of ``.data``, whose in-place writes move no version counter of the parameter."""
         chunk, slot = self.table.where(param)
         if chunk.state in (ChunkState.HOLD, ChunkState.COMPUTE):
             owner = self.table.owner(param)
             if (owner is not None and owner.active) or in_backward():
                 return False
             if chunk.private and self.in_region():
-                chunk.exposed = True  # a write through ``.data`` moves no version counter: compare at release
+                if aliasing:  # its writes are found only by comparing the chunk with its shard at release
+                    chunk.exposed = True
                 return False
         if not self.in_region():
             raise OutsideStepError(f"parameter {slot.name!r} is sharded over the ranks outside the training step "

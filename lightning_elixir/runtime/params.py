@@ -47,7 +47,7 @@ _METADATA = frozenset({
 })
 """Names of tensor attributes, methods and functions that do not read values (getter and setter alike)."""
 
-_READ, _META, _GRAD, _SET_GRAD, _SET_DATA = 0, 1, 2, 3, 4
+_READ, _META, _GRAD, _SET_GRAD, _SET_DATA, _GET_DATA = 0, 1, 2, 3, 4, 5
 
 
 @functools.cache
@@ -60,8 +60,8 @@ def _kind(func: Any) -> int:
     setter = is_accessor and func.__name__ != "__get__"
     if name == "grad" and is_accessor:  # the attribute, not torch.autograd.grad
         return _SET_GRAD if setter else _GRAD
-    if setter and name == "data":
-        return _SET_DATA
+    if name == "data" and is_accessor:  # ``.data`` aliases the values without the parameter's version counter
+        return _SET_DATA if setter else _GET_DATA
     if name in _METADATA:
         return _META
     return _READ
@@ -70,7 +70,7 @@ def _kind(func: Any) -> int:
 class ChunkedParameter(nn.Parameter):
     """An ``nn.Parameter`` whose values live in a chunk; see [Note: reads the hooks do not see]."""
 
-    _elixir_read: Callable[["ChunkedParameter"], None]
+    _elixir_read: Callable[["ChunkedParameter", bool], bool]
     _elixir_grad: Callable[["ChunkedParameter"], Any]
     _elixir_set_grad: Callable[["ChunkedParameter", Any], bool]
     _elixir_set_data: Callable[["ChunkedParameter", Any], bool]
@@ -90,6 +90,8 @@ class ChunkedParameter(nn.Parameter):
             detached_copy = _announce_reads(args, kwargs) and func is torch.Tensor.detach
         else:
             detached_copy = False
+            if kind == _GET_DATA:
+                _announce_reads(args, kwargs, aliasing=True)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
             # A detached view would outlive the chunk's storage (state_dict() snapshots): copy it.
@@ -112,16 +114,17 @@ class ChunkedParameter(nn.Parameter):
             return nn.Parameter(self.data.clone(), requires_grad=self.requires_grad)
 
 
-def _announce_reads(args: tuple, kwargs: dict) -> bool:
-    """Ask the runtime for every chunked parameter among the arguments; True if any was outside its owner."""
+def _announce_reads(args: tuple, kwargs: dict, aliasing: bool = False) -> bool:
+    """Ask the runtime for every chunked parameter among the arguments; True if any was outside its owner.
+    ``aliasing``: the read is of ``.data``, whose in-place writes move no version counter of the parameter."""
     outside = False
     for value in (*args, *kwargs.values()):
         if isinstance(value, ChunkedParameter):
-            outside |= bool(value._elixir_read(value))
+            outside |= bool(value._elixir_read(value, aliasing))
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, ChunkedParameter):
-                    outside |= bool(item._elixir_read(item))
+                    outside |= bool(item._elixir_read(item, aliasing))
     return outside
 
 
