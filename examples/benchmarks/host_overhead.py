@@ -63,6 +63,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="gpt")
     p.add_argument("--experts", type=int, default=16, help="experts per block of --model moe")
+    p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw",
+                   help="adamw: the model's own (configure_optimizers); adafactor: torch's, over every parameter")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--checkpointing", choices=("off", "on", "both"), default="both")
@@ -129,20 +131,27 @@ def _plain_step(model: torch.nn.Module, optimizer: Any) -> Callable[[Any], None]
     return step
 
 
+def optimizer_of(args: argparse.Namespace, module: Any) -> Any:
+    """The optimizer ``--optimizer`` names for ``module``."""
+    if args.optimizer == "adafactor":
+        return torch.optim.Adafactor(module.parameters(), lr=1e-2)
+    return module.configure_optimizers()
+
+
 def make_step(args: argparse.Namespace, system: str, checkpointing: bool, world_size: int) -> Callable[[Any], None]:
-    """One training step of ``system`` on a fresh model: forward, loss, backward, AdamW step."""
+    """One training step of ``system`` on a fresh model: forward, loss, backward, optimizer step."""
     module = build(args, checkpointing)
     if system == "ddp":
         # experts no token chose get no gradient: DDP must look for unused parameters
         model = torch.nn.parallel.DistributedDataParallel(module.model, find_unused_parameters=args.model == "moe")
-        return _plain_step(model, module.configure_optimizers())
+        return _plain_step(model, optimizer_of(args, module))
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for block in blocks(module.model):
             fully_shard(block)
         fully_shard(module.model)
-        return _plain_step(module.model, module.configure_optimizers())
+        return _plain_step(module.model, optimizer_of(args, module))
     return _elixir_step(args, module, system, world_size)
 
 
@@ -161,7 +170,7 @@ def _elixir_step(args: argparse.Namespace, module: Any, system: str, world_size:
     else:
         plan = PRESETS[system.removeprefix("elixir_")]
     runtime = ElixirRuntime(module, plan, group=group, grow_cache=system == "elixir")
-    optimizer = shard_optimizer(runtime, module.configure_optimizers())
+    optimizer = shard_optimizer(runtime, optimizer_of(args, module))
 
     def step(batch: Any) -> None:
         with runtime.step_region():

@@ -123,8 +123,11 @@ class _AdafactorStep:
         entries = self._entries()
         dtype = torch.float64 if any(e.view.dtype == torch.float64 for e in entries) else torch.float32  # sums
         sums = torch.zeros(sum(e.size for e in entries) or 1, dtype=dtype, device=self.runtime.device)
-        for entry in entries:
-            _partial_sums(entry, sums)
+        held = [e for e in entries if e.view.numel() and e.view.grad is not None]
+        _flags_and_param_squares(held, sums)
+        for entry in held:
+            if entry.factored:
+                _row_and_column_sums(entry, sums)
         collectives.all_reduce_sum(sums, self.runtime.group)
         heads = sums[torch.tensor([e.offset for e in entries] + [e.offset + 1 for e in entries],
                                   device=sums.device, dtype=torch.long)].tolist() if entries else []
@@ -158,21 +161,34 @@ class _AdafactorStep:
         return out
 
 
-def _partial_sums(entry: _Entry, sums: torch.Tensor) -> None:
-    """This rank's part of the entry's flag, squared parameter and (factored) row and column sums."""
-    view, grad = entry.view, entry.view.grad
-    if view.numel() == 0 or grad is None:
+def _flags_and_param_squares(held: list[_Entry], sums: torch.Tensor) -> None:
+    """Set the flag and add the squared norm of this rank's part of each entry it holds (with a gradient)."""
+    if not held:
         return
-    at = entry.offset
-    head = torch.stack([torch.ones((), dtype=sums.dtype, device=view.device), view.to(sums.dtype).square().sum()])
-    sums[at:at + 2] += head.to(sums.device)
-    if not entry.factored:
+    sums[torch.tensor([e.offset for e in held], device=sums.device)] = 1.0
+    by_device: dict[torch.device, list[_Entry]] = {}
+    for entry in held:  # offloaded chunks' views are in host memory
+        by_device.setdefault(entry.view.device, []).append(entry)
+    for entries in by_device.values():
+        norms = torch.stack(torch._foreach_norm([e.view for e in entries])).to(sums.device, sums.dtype)
+        sums.index_put_((torch.tensor([e.offset + 1 for e in entries], device=sums.device),), norms.square(),
+                        accumulate=True)
+
+
+def _row_and_column_sums(entry: _Entry, sums: torch.Tensor) -> None:
+    """Add this rank's part of a factored entry's squared gradient summed per row and per column."""
+    rows_at, cols_at = entry.offset + 2, entry.offset + 2 + entry.rows
+    squares = entry.view.grad.to(sums.dtype).square()
+    if entry.view.numel() == entry.numel:  # the whole parameter (its matrices of the leading dimensions)
+        matrices = squares.view(-1, entry.shape[-2], entry.shape[-1])
+        sums[rows_at:cols_at] += matrices.sum(-1).reshape(-1).to(sums.device)
+        sums[cols_at:cols_at + entry.cols] += matrices.sum(-2).reshape(-1).to(sums.device)
         return
-    rows, r0, matrix = _row_major(entry, grad.to(sums.dtype).square())
-    sums[at + 2 + r0:at + 2 + r0 + rows.shape[0]] += rows.sum(1).to(sums.device)
+    rows, r0, matrix = _row_major(entry, squares)
+    sums[rows_at + r0:rows_at + r0 + rows.shape[0]] += rows.sum(1).to(sums.device)
     columns = torch.zeros(int(matrix[-1] - matrix[0]) + 1, rows.shape[1], dtype=rows.dtype, device=rows.device)
     columns.index_add_(0, matrix - matrix[0], rows)
-    c0 = at + 2 + entry.rows + int(matrix[0]) * entry.shape[-1]
+    c0 = cols_at + int(matrix[0]) * entry.shape[-1]
     sums[c0:c0 + columns.numel()] += columns.reshape(-1).to(sums.device)
 
 
@@ -201,6 +217,9 @@ def _at_elements(entry: _Entry, numel: int, per_row: torch.Tensor, per_matrix: t
     """``combine(row value, matrix value, column value)`` at each of this rank's elements of the entry, from
     whole flat vectors per row (rows), per matrix of the leading dimensions and per column (cols)."""
     width = entry.shape[-1]
+    if numel == entry.numel:  # the whole parameter: its matrices, broadcast
+        height = entry.shape[-2]
+        return combine(per_row.view(-1, height, 1), per_matrix.view(-1, 1, 1), per_column.view(-1, 1, width)).reshape(-1)
     r0 = entry.first // width
     r1 = (entry.first + numel - 1) // width + 1
     matrix = torch.arange(r0, r1, device=per_row.device) // entry.shape[-2]
