@@ -44,7 +44,8 @@ TORCH = "torch==2.13.0"
 """Installed before the project, so that pip keeps this CPU build instead of choosing one itself."""
 NOT_PINNED = {"torch", PROJECT}
 OPTIONAL_TEST_IMPORTS = {"transformers": "transformers", "peft": "peft", "hypothesis": "hypothesis",
-                         "matplotlib": "matplotlib", "tensorboard": "tensorboard", "pytest": "pytest"}
+                         "matplotlib": "matplotlib", "tensorboard": "tensorboard", "pytest": "pytest",
+                         "safetensors": "safetensors"}
 """Modules the tests import or skip on (import name: distribution name); each must be pinned."""
 HEADER = """\
 # The test dependencies at versions the suite is known to pass with, for
