@@ -9,11 +9,12 @@ from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.precision import ElixirPrecision
 from lightning_elixir.runtime.access import OutsideStepError
 from lightning_elixir.runtime.optim import elementwise_optimizer
+from lightning_elixir.runtime.per_parameter import per_parameter_optimizer
 from lightning_elixir.search.calibrate import SelfCorrection
 from lightning_elixir.strategy import ElixirStrategy
 
 __all__ = ["ChunkSpec", "ElixirMonitor", "ElixirPlan", "ElixirPrecision", "ElixirStrategy", "OutsideStepError",
-           "PlanError", "SelfCorrection", "elementwise_optimizer"]
+           "PlanError", "SelfCorrection", "elementwise_optimizer", "per_parameter_optimizer"]
 __version__ = "0.1.0"
 
 

@@ -40,6 +40,7 @@ from lightning_elixir.devices import to_device
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.state_dict import load_full_optimizer_state_dict
 from lightning_elixir.runtime.factored import install_adafactor_step, is_adafactor
+from lightning_elixir.runtime.per_parameter import install_per_parameter_step, is_per_parameter
 from lightning_elixir.runtime.whole import install_muon_step, is_muon
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 )
 """torch's optimizers whose update of each element reads only that element (and scalars: lr, step)."""
 OWN_STEPS: tuple[tuple[Callable[[type], bool], Callable[[Any, Optimizer], None]], ...] = (
-    (is_muon, install_muon_step), (is_adafactor, install_adafactor_step))
-"""torch's optimizers that read whole parameters, each with a test of the class and the installer of a step of
-the runtime's own that runs it exactly on shards ([Note: Muon on shards], [Note: Adafactor on shards])."""
+    (is_muon, install_muon_step), (is_adafactor, install_adafactor_step),
+    (is_per_parameter, install_per_parameter_step))
+"""Optimizers that read whole parameters, each with a test of the class and the installer of a step of the
+runtime's own that runs it exactly on shards: torch's Muon and the Adafactors on shards ([Note: Muon on
+shards], [Note: Adafactor on shards]), any class declared per-parameter on whole parameters gathered chunk
+by chunk ([Note: per-parameter optimizers])."""
 _declared: set[type] = set()
 """Classes declared element-wise with ``elementwise_optimizer``."""
 
@@ -108,9 +112,11 @@ def shard_optimizer(runtime, optimizer: Optimizer) -> Optimizer:
     problem = None if own_step else _step_not_element_wise(cls)
     if problem is not None:
         names = ", ".join(sorted(t.__name__ for t in ELEMENTWISE_OPTIMIZERS))
-        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), Muon or Adafactor, or, "
-                        "if each element's update reads only that element and scalars (as Lion's does), declare the "
-                        "class with @lightning_elixir.elementwise_optimizer")
+        raise TypeError(f"{problem}. Use one of torch's element-wise optimizers ({names}), Muon or Adafactor, or "
+                        "declare the class: with @lightning_elixir.elementwise_optimizer if each element's update "
+                        "reads only that element and scalars (as Lion's does), with "
+                        "@lightning_elixir.per_parameter_optimizer if each parameter's update reads only that "
+                        "parameter, its gradient and its state (LARS, LAMB without a global gradient norm, Shampoo)")
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         log.warning("%s has step hooks (register_step_pre_hook / register_step_post_hook): under the Elixir strategy "
                     "they see this rank's flat shard views in its param_groups, not the parameters, so shapes, "

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set as AbstractSet
 from typing import Any, Optional, Union
 
 import torch
@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from lightning_elixir.runtime.chunk import Chunk, Slot
-from lightning_elixir.runtime.state_dict import agree_scalar_state, is_per_element, optimizer_views
+from lightning_elixir.runtime.state_dict import (agree_scalar_state, is_per_element, note_replicated, optimizer_views,
+                                                 replicated_keys)
 
 META_FILE = "elixir_meta.pt"
 DCP_METADATA = ".metadata"
@@ -123,20 +124,23 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
     states = [optimizer.state_dict() for optimizer in optimizers]  # live per-parameter dicts (NVMe binds into them)
     entries = [optimizer_views(runtime, optimizer) for optimizer in optimizers]
     tensors: dict[str, Any] = {}
+    whole = [[replicated_keys(optimizer, i) for i in range(len(views))] for optimizer, views in zip(optimizers, entries)]
     for chunk in runtime.chunks:
         with runtime.offload.resident(chunk):
-            tensors.update(_chunk_tensors(runtime, chunk, states, entries))
+            tensors.update(_chunk_tensors(runtime, chunk, states, entries, whole))
     if runtime.group.rank == 0:
         tensors.update({f"model.{k}": v.detach() for k, v in _buffers(runtime).items()})
-    meta = _describe(runtime, states, entries, extra or {})
+    meta = _describe(runtime, states, entries, whole, extra or {})
     os.makedirs(path, exist_ok=True)
     with _quiet_dcp():
         dcp.save(tensors, storage_writer=_Writer(path, meta), process_group=runtime.group.pg,
                  no_dist=not _distributed())
 
 
-def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list]) -> dict[str, torch.Tensor]:
-    """This rank's pieces of one chunk's masters and per-element optimizer state, under their keys."""
+def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list],
+                   whole: list[list[AbstractSet[str]]]) -> dict[str, torch.Tensor]:
+    """This rank's pieces of one chunk's masters and per-element optimizer state, under their keys
+    (``whole``: per optimizer and parameter, the state keys held whole, ``replicated_keys``)."""
     copy = _is_nvme(chunk)  # the page goes back when the chunk leaves memory
     out = {}
     for slot in chunk.slots:
@@ -150,7 +154,7 @@ def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list
             if owner is not chunk or i not in state["state"]:
                 continue
             for key, value in state["state"][i].items():
-                if is_per_element(key, value, view.shape):
+                if is_per_element(key, value, view.shape, whole[k][i]):
                     value = value.detach()
                     out[f"optim.{k}.state.{i}.{key}"] = _flat(runtime, chunk, slot, value.clone() if copy else value)
     return out
@@ -163,16 +167,17 @@ def _buffers(runtime) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and id(v) not in chunked}
 
 
-def _describe(runtime, states: list[dict], entries: list[list], extra: dict) -> dict[str, Any]:
+def _describe(runtime, states: list[dict], entries: list[list], whole: list[list[AbstractSet[str]]],
+              extra: dict) -> dict[str, Any]:
     """What the meta file holds: everything but the tensors DCP stores."""
     names = {id(s.param): s.name for c in runtime.chunks for s in c.slots}
     own = runtime.module.state_dict(keep_vars=True)
     optimizers = []
-    for state, views in zip(states, entries):
+    for state, views, held_whole in zip(states, entries, whole):
         flat, values = {}, {}
         for i, per_param in state["state"].items():
             view = views[i][2]
-            flat[i] = sorted(k for k, v in per_param.items() if is_per_element(k, v, view.shape))
+            flat[i] = sorted(k for k, v in per_param.items() if is_per_element(k, v, view.shape, held_whole[i]))
             values[i] = {k: _cpu_copy(v) for k, v in per_param.items() if k not in flat[i]}
         optimizers.append({"params": [slot.name for _, slot, _ in views], "param_groups": state["param_groups"],
                            "flat": flat, "values": values})
@@ -399,6 +404,8 @@ def _state_targets(runtime, views: list, saved: dict, stored: Metadata, k: int) 
 def _load_optimizer(optimizer: Optimizer, saved: dict, loaded: list, param_groups: Optional[list] = None) -> None:
     """Give the optimizer its loaded state through ``load_state_dict``, as a state dict of shard views."""
     state = {i: {k: _cpu_copy(v) for k, v in values.items()} for i, values in saved["values"].items()}
+    for i, values in saved["values"].items():  # whole tensors: held whole, whatever their shape
+        note_replicated(optimizer, i, {k: v for k, v in values.items() if k not in saved["flat"][i]})
     for _, i, key, local, _ in loaded:
         state.setdefault(i, {})[key] = local
     groups = saved["param_groups"] if param_groups is None else param_groups

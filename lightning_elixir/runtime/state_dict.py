@@ -10,7 +10,8 @@ while the file is written ([Note: streamed full checkpoints] in full_file.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -143,10 +144,41 @@ moments of torch's and Hugging Face's Adafactor ([Note: Adafactor on shards] in 
 and moved as ``step`` is."""
 
 
-def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
-    """Whether an optimizer state entry has one value per parameter element (``exp_avg``, not ``step``)."""
-    return (key != "step" and key not in REPLICATED_STATE and isinstance(value, torch.Tensor)
+def is_per_element(key: str, value: Any, shape: torch.Size, replicated: AbstractSet[str] = REPLICATED_STATE) -> bool:
+    """Whether an optimizer state entry has one value per parameter element (``exp_avg``, not ``step``);
+    ``replicated``: the keys held whole whatever their shape (``replicated_keys``)."""
+    return (key != "step" and key not in replicated and isinstance(value, torch.Tensor)
             and value.shape == shape)
+
+
+_replicated: "weakref.WeakKeyDictionary[Optimizer, dict[int, set[str]]]" = weakref.WeakKeyDictionary()
+"""For each optimizer that runs a per-parameter step ([Note: per-parameter optimizers] in per_parameter.py),
+the state keys of each parameter (by state-dict index) that every rank holds whole: tensors not of the
+parameter's shape. Recorded where they are made or loaded from whole shapes; on a shard a 1-D one could
+have the shard view's shape by chance, so shape alone cannot tell later."""
+
+
+def hold_replicated(optimizer: Optimizer) -> None:
+    """Record ``optimizer``'s whole tensor state from now on (kept across plan switches)."""
+    _replicated.setdefault(optimizer, {})
+
+
+def replicated_keys(optimizer: Optimizer, index: int) -> AbstractSet[str]:
+    """The state keys of ``optimizer``'s ``index``-th parameter held whole by every rank."""
+    own = _replicated.get(optimizer)
+    keys = own.get(index) if own else None
+    return REPLICATED_STATE | keys if keys else REPLICATED_STATE
+
+
+def note_replicated(optimizer: Optimizer, index: int, values: Mapping[str, Any],
+                    shape: Optional[torch.Size] = None) -> None:
+    """Record the whole tensors among ``values``, the ``index``-th parameter's state (those not of ``shape``,
+    the parameter's; all of them without one), for an optimizer that ``hold_replicated``."""
+    own = _replicated.get(optimizer)
+    if own is not None:
+        keys = {k for k, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != shape}
+        if keys:
+            own.setdefault(index, set()).update(keys)
 
 
 def per_element_nbytes(values: Mapping[str, Any], shape: torch.Size) -> int:
@@ -176,10 +208,12 @@ def agree_scalar_state(runtime, optimizer: Optimizer) -> None:
         return
     entries = optimizer_views(runtime, optimizer)
     rank, state = runtime.group.rank, optimizer.state
-    own = {i: {k: detached(v) for k, v in state[view].items()
-               if not is_per_element(k, v, view.shape) and k not in REPLICATED_STATE}
-           for i, (chunk, slot, view) in enumerate(entries)
-           if state.get(view) and not chunk.elsewhere(slot) and chunk.owner(slot) == rank}
+    own = {}
+    for i, (chunk, slot, view) in enumerate(entries):
+        if state.get(view) and not chunk.elsewhere(slot) and chunk.owner(slot) == rank:
+            whole = replicated_keys(optimizer, i)
+            own[i] = {k: detached(v) for k, v in state[view].items()
+                      if not is_per_element(k, v, view.shape, whole) and k not in whole}
     owned: dict[int, dict[str, Any]] = {}
     for part in collectives.all_gather_objects(own, runtime.group):
         owned.update(part)
@@ -206,7 +240,7 @@ def optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], lis
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
         if members:  # the keys of every member: they differ (amsgrad in one group only)
             keys = sorted({k for i, _, view in members for k, v in sharded["state"][i].items()
-                           if is_per_element(k, v, view.shape)})
+                           if is_per_element(k, v, view.shape, replicated_keys(optimizer, i))})
             layout.append(ChunkOptimizerState(chunk, members, keys))
     return sharded, layout
 
@@ -367,6 +401,7 @@ def load_full_optimizer_state_dict(runtime, optimizer: Optimizer, full: Mapping[
         lo = chunk.shard_begin + begin - slot.offset
         state[int(i)] = {k: (v.reshape(-1)[lo:lo + end - begin].clone() if is_per_element(k, v, slot.shape) else v)
                          for k, v in param_state.items()}
+        note_replicated(optimizer, int(i), param_state, slot.shape)
     load_own_optimizer_state(runtime, optimizer, state, full["param_groups"])
 
 

@@ -40,6 +40,9 @@ from torch.optim import Optimizer
 
 from lightning_elixir.runtime import collectives
 
+from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
+
 try:
     from torch.optim import Muon
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -86,12 +89,24 @@ def install_step(optimizer: Optimizer, step: Callable[[], None]) -> None:
         optimizer.step = types.MethodType(_run_own_step, optimizer)  # type: ignore[method-assign]
 
 
-def _run_own_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+def _run_own_step(optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """The own step, between the optimizer's step hooks (global ones too), as torch's profiling wrapper of
+    a class's ``step`` runs them: they see ``(optimizer, args, kwargs)``, ``args`` starting with it."""
+    args = (optimizer, *args)
+    for hook in (*_GLOBAL_PRE_HOOKS.values(), *optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"an optimizer step pre-hook must return None or (args, kwargs), got {result!r}")
+            args, kwargs = result
+    closure: Optional[Callable[[], Any]] = args[1] if len(args) > 1 else kwargs.get("closure")
     loss = None
     if closure is not None:  # as torch's optimizers run it: with gradients, before the update
         with torch.enable_grad():
             loss = closure()
     _own_steps[optimizer]()
+    for hook in (*optimizer._optimizer_step_post_hooks.values(), *_GLOBAL_POST_HOOKS.values()):
+        hook(optimizer, args, kwargs)
     return loss
 
 

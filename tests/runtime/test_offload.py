@@ -28,7 +28,7 @@ from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.state_dict import (full_optimizer_state_dict, full_state_dict,
                                                  load_full_optimizer_state_dict, load_full_state_dict)
 from tests.distributed import run_distributed
-from tests.optimizers import Lion
+from tests.optimizers import Lion, TrustRatioAdam
 from tests.plans import on_host
 from tests.runtime.workloads import NO_BIAS, Run, _dtypes, batches, loss_of
 
@@ -65,6 +65,8 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adafactor([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=3e-3)
     if kind == "lion":  # declared element-wise: the shadows are instances of a class torch does not ship
         return Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if kind == "trust_ratio":  # declared per-parameter: its own step on whole parameters ([Note: per-parameter optimizers])
+        return TrustRatioAdam([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=3e-3)
     raise ValueError(kind)
 
 

@@ -88,9 +88,11 @@ def _cases(rank: int, world_size: int, pairs: list[tuple[ElixirPlan, ElixirPlan,
 
 
 def _pairs() -> list[tuple[ElixirPlan, ElixirPlan, str]]:
-    """AdamW's; and Adafactor's, whose factored moments every rank holds whole (not on NVMe, which it refuses)."""
+    """AdamW's; a per-parameter optimizer's, with state of another shape than its parameter held whole; and
+    Adafactor's, whose factored moments every rank holds whole (neither on NVMe, which they refuse)."""
     mixed = offload_plan(2, ("device", "cpu", "nvme"))
-    pairs = [(ZERO3, ZERO2, "adamw"), (ZERO2, ZERO3, "adamw"), (ZERO2, mixed, "adamw"), (mixed, ZERO3, "adamw")]
+    pairs = [(ZERO3, ZERO2, "adamw"), (ZERO2, ZERO3, "adamw"), (ZERO2, mixed, "adamw"), (mixed, ZERO3, "adamw"),
+             (offload_plan(2, ("device", "cpu")), ZERO3, "trust_ratio")]
     if hasattr(torch.optim, "Adafactor"):
         pairs.append((ZERO3, offload_plan(2, ("device", "cpu")), "adafactor"))
     return pairs
@@ -106,8 +108,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", range(5), ids=["zero3-to-zero2", "zero2-to-zero3", "zero2-to-offload",
-                                                  "offload-to-zero3", "zero3-to-offload-adafactor"])
+@pytest.mark.parametrize("case", range(6), ids=["zero3-to-zero2", "zero2-to-zero3", "zero2-to-offload",
+                                                  "offload-to-zero3", "offload-to-zero3-per-parameter",
+                                                  "zero3-to-offload-adafactor"])
 def test_switch_continues_as_the_new_plan(switched, case):
     if case >= len(switched[0]):
         pytest.skip("torch.optim.Adafactor is new in torch 2.5")

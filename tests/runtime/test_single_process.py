@@ -139,7 +139,7 @@ def test_too_small_cache_says_how_many_blocks_are_needed():
 def test_lbfgs_is_rejected_with_the_supported_list():
     model = _gpt()
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
-    with pytest.raises(TypeError, match="LBFGS is not element-wise.*AdamW"):
+    with pytest.raises(TypeError, match="LBFGS is not element-wise.*AdamW.*@lightning_elixir.per_parameter_optimizer"):
         shard_optimizer(runtime, torch.optim.LBFGS(model.parameters()))
 
 
@@ -283,6 +283,54 @@ def test_a_declared_optimizer_runs_on_shards_and_the_declaration_checks_its_argu
     shard_optimizer(runtime, Lion(model.parameters()))
     with pytest.raises(TypeError, match="expects a torch.optim.Optimizer subclass"):
         elementwise_optimizer(object)
+
+
+def test_a_per_parameter_optimizer_matches_torch_runs_its_step_hooks_once_and_refuses_nvme(tmp_path):
+    """Its own step runs once per chunk on whole parameters: chunks smaller than the model, every chunk's
+    state on the host, a parameter left without a gradient. The step hooks run once per step, as torch's
+    run them, and the step the param groups count advances once."""
+    from lightning_elixir.runtime.per_parameter import per_parameter_optimizer
+    from tests.optimizers import TrustRatioAdam
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 2))
+
+    model, ref = make(), make()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2)))
+    assert len(runtime.chunks) > 2
+    opt = shard_optimizer(runtime, TrustRatioAdam(model.parameters(), weight_decay=0.1))
+    ref_opt = TrustRatioAdam(ref.parameters(), weight_decay=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    for seed in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+        for m in (model, ref):
+            m[3].bias.requires_grad_(seed != 1)  # no gradient in one step: skipped, as torch skips it
+            m(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert calls == ["pre", "post"] * 3 and opt.param_groups[0]["step"] == ref_opt.param_groups[0]["step"] == 3
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    state, ref_state = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
+    for index, values in ref_state.items():
+        for key, value in values.items():
+            assert state[index][key].shape == value.shape, (index, key)
+            torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+
+    model = make()
+    plan = on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2))
+    plan = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, placement="nvme") for c in plan.chunks))
+    with pytest.raises(ValueError, match="TrustRatioAdam cannot update it"):
+        shard_optimizer(ElixirRuntime(model, plan, nvme_path=str(tmp_path)), TrustRatioAdam(model.parameters()))
+    with pytest.raises(TypeError, match="LBFGS: its step flattens every parameter"):
+        per_parameter_optimizer(torch.optim.LBFGS)
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer subclass"):
+        per_parameter_optimizer(object)
 
 
 def test_optimizer_over_foreign_parameters_is_rejected():
