@@ -1379,6 +1379,11 @@ class WithOptimizer(Classifier):
         elif self.kind == "adafactor":  # not element-wise: the runtime's own step ([Note: Adafactor on shards])
             opt = torch.optim.Adafactor(by_dim, lr=2e-2)
             sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "interval": "step"}
+        elif self.kind == "trust_ratio":  # declared per-parameter: its step on whole parameters ([Note: per-parameter optimizers])
+            from tests.optimizers import TrustRatioAdam
+
+            opt = TrustRatioAdam(by_dim, lr=2e-2)
+            sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "interval": "step"}
         elif self.kind == "hf_adafactor":  # Hugging Face's: relative steps scaled by each parameter's RMS
             from transformers.optimization import Adafactor
 
@@ -2619,6 +2624,7 @@ CASES: list[Case] = [
     Case("adagrad_state_from_its_constructor", lambda: WithOptimizer("adagrad"), cls_data, ddp_check=_check_lrs_change),
     Case("adafactor_groups_steplr", lambda: WithOptimizer("adafactor"), cls_data, ddp_check=_check_lrs_change),
     Case("hf_adafactor_relative_steps", lambda: WithOptimizer("hf_adafactor"), cls_data),
+    Case("per_parameter_trust_ratio_steplr", lambda: WithOptimizer("trust_ratio"), cls_data, ddp_check=_check_lrs_change),
     Case("configure_optimizers_returns_none", NoOptimizer, cls_data, trains=False),
     Case("meta_init_configure_model", MetaInit, cls_data),
     # callbacks
