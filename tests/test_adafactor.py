@@ -19,35 +19,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import lightning as L
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_elixir.plan import slot_offsets
-from tests.epoch_fits import final_weights, fit_epochs
+from tests.epoch_fits import GLOBAL_BATCH, SAMPLES, ConvClassifier, final_weights, fit_epochs
 from tests.plans import split_on_host
 from tests.test_resume import fit_on_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is new in torch 2.5")
 
 EPOCHS = 3
-SAMPLES = 48
-GLOBAL_BATCH = 8
 
 
-class WithAdafactor(L.LightningModule):
+class WithAdafactor(ConvClassifier):
     def __init__(self, flavor: str = "torch") -> None:
         super().__init__()
         self.flavor = flavor
-        torch.manual_seed(0)
-        self.conv = nn.Conv1d(4, 6, kernel_size=3)
-        self.net = nn.Sequential(nn.Linear(36, 32), nn.ReLU(), nn.Linear(32, 24), nn.LayerNorm(24), nn.Linear(24, 3))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(torch.relu(self.conv(x)).flatten(1)), y)
 
     def configure_optimizers(self):
         matrices = [p for p in self.parameters() if p.ndim > 1]
@@ -60,13 +48,6 @@ class WithAdafactor(L.LightningModule):
         else:
             optimizer = torch.optim.Adafactor(groups, lr=0.01, foreach=False)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.7)}
-
-    def train_dataloader(self):
-        """GLOBAL_BATCH samples a step, dealt out to the ranks in turn (one process sees them all)."""
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(torch.randn(SAMPLES, 4, 8, generator=g), torch.randint(0, 3, (SAMPLES,), generator=g))
-        ranks = self.trainer.world_size
-        return DataLoader(Subset(data, range(self.trainer.global_rank, SAMPLES, ranks)), batch_size=GLOBAL_BATCH // ranks)
 
 
 def fit(run: Path, world_size: int, plan: str, fmt: str, ckpt_path: Optional[Path] = None,
