@@ -13,6 +13,24 @@ view of it is ``strategy.planning``; nothing else keeps a copy.
 The ElixirMonitor callback measures the steps (it wraps each optimizer step, micro-batches and
 callbacks included, as the user's step time) and hands each one to ``observe``; it logs what the
 planner decided and never decides itself.
+
+[Note: planning for the optimizer]
+The search prices the optimizer state each trained element keeps (``SearchOptions.
+optimizer_bytes_per_numel``): Adam's two moments are 8 bytes, SGD with momentum 4, plain SGD none,
+Adafactor a few values per row and column, a per-parameter optimizer perhaps more than Adam. Lightning
+configures optimizers after the strategy's setup, where the plan is made, so the search priced every
+optimizer as Adam: too much for SGD or Adafactor (state offloaded that would have fit, a slower plan),
+too little for a heavier one (a plan that does not fit). So when fitting under plan="auto" the strategy
+calls ``configure_optimizers`` before planning, as Lightning's DeepSpeed strategy does before it wraps
+the model, and ``setup_optimizers`` then takes those objects: the user's hook still runs once per fit,
+and the optimizers hold the module's parameters, which keep their identity when chunked (their class
+changes, not the object). ``optim.state_values_per_element`` measures each param group's state by
+building its class anew over a 64 x 64 matrix and stepping it once on the CPU. Not priced: a model
+built on the meta device (``configure_model``; its parameters are replaced when chunked, so its
+optimizers are configured after), and a class that cannot be built from its param groups alone or
+step on the CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that does
+not fit. A per-parameter optimizer's gathers at the step ([Note: per-parameter optimizers]) are not
+priced either.
 """
 
 from __future__ import annotations
@@ -89,7 +107,8 @@ class AutoPlanner:
             memory_limit=strategy.device_memory_limit, local_world_size=strategy.num_processes,
             hardware=strategy.hardware_profile, private_params=strategy.private_params,
             offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit,
-                                    updates_in_backward=strategy.updates_will_start_in_backward()))
+                                    updates_in_backward=strategy.updates_will_start_in_backward()),
+            optimizer_states=strategy.optimizer_states_for_planning())
         rank_zero_info(progress_lines(self.planning))
         return self.planning
 
@@ -148,7 +167,9 @@ def progress_lines(planning: PlanningResult) -> str:
     lines.append(f"Elixir: chose {w.describe()}")
     lines.append(f"Elixir: predicted step {format_ms(w.step_s)} (lower bound {format_ms(report.lower_bound_s)}, "
                  f"{report.lower_bound_reason}); peak {format_bytes(w.peak_bytes)} of "
-                 f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}")
+                 f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}"
+                 + (f"; optimizer state priced at {planning.options.optimizer_bytes_per_numel} B per element"
+                    if planning.options is not None else ""))
     lines += [f"Elixir: {note}" for note in planning.notes if note.startswith("recomputing")]
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -281,7 +282,8 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
                        memory_limit: MemoryLimit = None, local_world_size: int = 1,
                        hardware: Optional[Union[HardwareProfile, str]] = None, step_fn: Optional[StepFn] = None,
                        backward: bool = True, private_params: Iterable[str] = (),
-                       offload: Optional[OffloadSettings] = None) -> PlanningResult:
+                       offload: Optional[OffloadSettings] = None,
+                       optimizer_states: Optional[float] = None) -> PlanningResult:
     """Profile one step of ``module`` on ``batch``, search and agree on a plan. Call on every rank.
 
     Args:
@@ -299,6 +301,8 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
         backward: False for a forward-only step.
         private_params: Names that get a private chunk besides those the profile finds shared.
         offload: Where sharded state may go besides the device (default: host memory, no NVMe).
+        optimizer_states: Values of optimizer state per trained element (SGD with momentum: 1); None:
+            Adam's 2.
 
     Returns:
         The plan and how it was found. When the step cannot be traced, ``FALLBACK_PLAN`` with a
@@ -310,14 +314,15 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
     return _plan(trace, "the step", module=module, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
                  local_world_size=local_world_size, hardware=hardware, private_params=private_params,
-                 offload=offload)
+                 offload=offload, optimizer_states=optimizer_states)
 
 
 def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
                      compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
                      memory_limit: MemoryLimit = None, local_world_size: int = 1,
                      hardware: Optional[Union[HardwareProfile, str]] = None,
-                     private_params: Iterable[str] = (), offload: Optional[OffloadSettings] = None) -> PlanningResult:
+                     private_params: Iterable[str] = (), offload: Optional[OffloadSettings] = None,
+                     optimizer_states: Optional[float] = None) -> PlanningResult:
     """``plan_automatically`` for the stage ``trainer`` runs, on a batch of that stage's data.
 
     See [Note: planning per stage]. Taking the batch is part of the trace: a stage without data
@@ -334,7 +339,7 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
     return _plan(trace, step.hook, module=module, device=device, group=group, compute_dtype=compute_dtype,
                  autocast_dtype=autocast_dtype, micro_batches=micro_batches, memory_limit=memory_limit,
                  local_world_size=local_world_size, hardware=hardware, private_params=private_params,
-                 offload=offload)
+                 offload=offload, optimizer_states=optimizer_states)
 
 
 def value_dependent_params(module: torch.nn.Module, trainer: Any, *, device: torch.device, group: Group,
@@ -366,7 +371,7 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,
           hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = (),
-          offload: Optional[OffloadSettings] = None) -> PlanningResult:
+          offload: Optional[OffloadSettings] = None, optimizer_states: Optional[float] = None) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
     offload = offload or OffloadSettings()
     private_params = (*private_params, *own_dtype_params(module, (compute_dtype,)))  # chunks of their own dtype
@@ -390,7 +395,8 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
             _warn_fallback(what, reason)
             return PlanningResult(FALLBACK_PLAN, None, None, hw, budget, reason, seconds=seconds)
         profile = with_private_params(profile, private_params)
-        options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size)
+        options = _options(group.world_size, micro_batches, compute_dtype, autocast_dtype, offload, local_world_size,
+                           optimizer_states)
         if options.host_memory_bytes is not None:  # every rank runs rank 0's plan: it must fit the tightest machine
             options = dataclasses.replace(options, host_memory_bytes=_least(options.host_memory_bytes, device, group))
 
@@ -470,7 +476,7 @@ def _warn_fallback(what: str, reason: str) -> None:
 
 
 def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
-             offload: OffloadSettings, local_world_size: int) -> SearchOptions:
+             offload: OffloadSettings, local_world_size: int, optimizer_states: Optional[float]) -> SearchOptions:
     """Search options for this precision and offload settings, with this machine's host memory.
 
     Under an emulated device budget ([Note: emulated device memory]) the device has no allocator,
@@ -478,7 +484,7 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
     options = search_options(world_size, micro_batches, compute_dtype, autocast_dtype, allow_cpu=offload.allow_cpu,
                              nvme_available=offload.nvme_path is not None,
                              host_memory_bytes=host_memory_bytes(offload.host_memory_limit, local_world_size),
-                             updates_in_backward=offload.updates_in_backward)
+                             updates_in_backward=offload.updates_in_backward, optimizer_states=optimizer_states)
     if emulated.active() is not None:
         options = dataclasses.replace(options, margin_fraction=0.0, margin_bytes=0)
     return options
@@ -486,10 +492,13 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
 
 def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
                    autocast_dtype: Optional[torch.dtype], *, allow_cpu: bool = True, nvme_available: bool = False,
-                   host_memory_bytes: Optional[int] = None, updates_in_backward: bool = False) -> SearchOptions:
+                   host_memory_bytes: Optional[int] = None, updates_in_backward: bool = False,
+                   optimizer_states: Optional[float] = None) -> SearchOptions:
     """Search options that describe what the runtime will do with this precision and offload settings.
 
     Pure: the host memory is an argument, so a plan can be searched for another machine.
+    ``optimizer_states``: values of optimizer state per trained element (``optim.state_values_per_element``);
+    None: Adam's two moments.
     """
     true_precision = autocast_dtype is None and compute_dtype != torch.float32  # bf16-true, 16-true, 64-true
     size = compute_dtype.itemsize if true_precision else 4  # of gradients, masters and optimizer states
@@ -497,7 +506,7 @@ def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dty
         world_size=world_size, micro_batches=micro_batches,
         master_bytes_per_numel=0 if true_precision else None,  # bf16-true: the master is the shard
         grad_bytes_per_numel=size,
-        optimizer_bytes_per_numel=2 * size,
+        optimizer_bytes_per_numel=math.ceil((2.0 if optimizer_states is None else optimizer_states) * size),
         reduce_in_fp32=not true_precision,
         allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes,
         updates_in_backward=updates_in_backward)

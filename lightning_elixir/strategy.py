@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelPruning
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer import call
 from lightning.pytorch.plugins.precision import Precision
@@ -63,7 +63,7 @@ from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import read_checkpoint
-from lightning_elixir.runtime.optim import shard_optimizer
+from lightning_elixir.runtime.optim import shard_optimizer, state_values_per_element
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -275,6 +275,9 @@ class ElixirStrategy(ParallelStrategy):
         """``updates_will_start_in_backward()`` for the stage set up last (the configuration does not change within it)."""
         self._deferred: list[InitRecord] = []
         """Recordings of the builds under this strategy's init contexts, until setup replays them."""
+        self._configured: Optional[tuple[list[Optimizer], list[Any]]] = None
+        """plan="auto" when fitting: what ``configure_optimizers`` returned before planning (the optimizers and
+        LR scheduler configs), whose state the plan is priced for; ``setup_optimizers`` takes it."""
         if not isinstance(replan, (bool, SelfCorrection)):
             raise TypeError(f"replan must be True, False or a SelfCorrection, got {replan!r}")
         self.replan = replan
@@ -416,9 +419,13 @@ class ElixirStrategy(ParallelStrategy):
             self._saver.prepare_dirs(self, trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
+        self._configured = None
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
             self._finished = None
             self.model = self.precision_plugin.convert_module(self.model)
+            if trainer.state.fn == TrainerFn.FITTING and self.planner is not None and not _holds_meta(self.model):
+                # [Note: planning for the optimizer]: the parameters keep their identity when chunked
+                self._configured = _init_optimizers_and_lr_schedulers(self.lightning_module)
             with planned_trainable(self.model, trainer):  # [Note: finetuning callbacks]
                 self.runtime = self._build_runtime(trainer)
             self.precision_plugin.runtime = self.runtime
@@ -539,9 +546,19 @@ class ElixirStrategy(ParallelStrategy):
         trainer.callbacks.insert(0, monitor)
         return monitor
 
+    def optimizer_states_for_planning(self) -> Optional[float]:
+        """Values of optimizer state per trained element of the optimizers configured for this fit, for the
+        search to price ([Note: planning for the optimizer]); None where they are not known before
+        planning (a model built on the meta device, a stage that does not fit), or not measurable."""
+        return None if self._configured is None else state_values_per_element(self._configured[0])
+
     @override
     def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
+        configured, self._configured = self._configured, None
+        if configured is None:
+            super().setup_optimizers(trainer)
+        else:  # configured before planning: the same objects, configure_optimizers called once
+            self.optimizers, self.lr_scheduler_configs = configured
         for optimizer in self.optimizers:
             shard_optimizer(self.runtime, optimizer)
 

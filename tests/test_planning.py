@@ -212,3 +212,79 @@ def test_host_memory_for_offloaded_state_is_the_least_over_machines():
     """Every rank runs rank 0's plan, so it must fit the tightest machine: each rank searched with its own
     machine's available host memory, and rank 0's plan ran on a node with less (emulated per rank)."""
     assert run_distributed(_plan_with_own_host_memory, 2) == [int(0.8 * (4 << 30))] * 2
+
+
+def test_optimizer_state_is_measured_per_group_and_unmeasurable_classes_are_none():
+    from lightning_elixir.runtime.optim import state_values_per_element
+    from tests.optimizers import TrustRatioAdam
+
+    matrix, vector = torch.nn.Parameter(torch.zeros(30, 10)), torch.nn.Parameter(torch.zeros(100))
+    assert state_values_per_element([torch.optim.AdamW([matrix])]) == 2.0
+    assert state_values_per_element([torch.optim.SGD([matrix], lr=0.1)]) == 0.0
+    assert state_values_per_element([torch.optim.SGD([matrix], lr=0.1, momentum=0.9)]) == 1.0
+    assert state_values_per_element([TrustRatioAdam([matrix])]) == 3.0  # two moments and a flat trace
+    if hasattr(torch.optim, "Adafactor"):
+        assert 0 < state_values_per_element([torch.optim.Adafactor([matrix])]) < 0.1  # a row and a column
+    # weighted by the trainable elements of each group: 300 with amsgrad's third moment, 100 without
+    groups = torch.optim.Adam([{"params": [matrix], "amsgrad": True}, {"params": [vector]}])
+    assert state_values_per_element([groups]) == (3 * 300 + 2 * 100) / 400
+    assert state_values_per_element([torch.optim.LBFGS([matrix])]) is None  # needs a closure
+
+
+def _plan_for_sgd(optimizer_states):
+    """plan='auto' of the GPT, with the budget one byte below the least all-device plan priced as Adam."""
+    settings = dict(device=torch.device("cpu"), group=Group.default(), compute_dtype=torch.float32,
+                    autocast_dtype=None, micro_batches=1, step_fn=_step)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with pytest.raises(NoPlanFitsError) as device_only:
+        plan_automatically(model, _batch(), memory_limit=1 << 20, offload=OffloadSettings(allow_cpu=False), **settings)
+    return model, plan_automatically(model, _batch(), memory_limit=device_only.value.min_device_bytes - 1,
+                                     optimizer_states=optimizer_states, **settings)
+
+
+def test_a_plan_priced_for_sgd_keeps_on_the_device_what_adams_price_offloads_and_counts_its_state():
+    _, adam = _plan_for_sgd(None)
+    assert adam.plan.offloads
+    model, sgd = _plan_for_sgd(1.0)  # SGD with momentum: one value per element
+    assert not sgd.plan.offloads and sgd.options.optimizer_bytes_per_numel == 4
+    runtime = ElixirRuntime(model, sgd.plan)
+    opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    _step(model, _batch()).backward()
+    optimizer_step(runtime, opt)
+    padding = sum((c.shard_numel - sum(e - b for b, e in map(c.shard_range, c.slots))) * 4 for c in runtime.chunks)
+    assert sgd.report.memory.device_state_bytes - padding == runtime.memory_stats()["device_state_bytes"]
+    runtime.restore_module()
+
+
+class _CountsConfigure(GPTLightningModule):
+    def __init__(self, meta: bool = False) -> None:
+        super().__init__(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        self.configured: list[torch.optim.Optimizer] = []
+
+    def configure_optimizers(self):
+        self.configured.append(torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9))
+        return self.configured[-1]
+
+
+class _BuiltInConfigureModel(_CountsConfigure):
+    """Its model is built in configure_model, on the meta device under the strategy: priced as Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
+@pytest.mark.parametrize("module, priced", [(_CountsConfigure, 4), (_BuiltInConfigureModel, 8)])
+def test_auto_prices_the_configured_optimizer_and_configures_it_once(module, priced):
+    model = module()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=ElixirStrategy(plan="auto"))
+    trainer.fit(model, BigramDataModule(vocab_size=64, block_size=16, batch_size=4, num_samples=32))
+    assert len(model.configured) == 1 and trainer.optimizers == model.configured
+    assert trainer.strategy.planning.options.optimizer_bytes_per_numel == priced
