@@ -102,8 +102,8 @@ class _PerParameterStep:
     def __call__(self) -> None:
         runtime, optimizer = self.runtime, self.optimizer
         index = runtime.view_index()
-        entries = [(group, i, view) for i, (group, view) in
-                   enumerate((group, view) for group in optimizer.param_groups for view in group["params"])]
+        views = [(group, view) for group in optimizer.param_groups for view in group["params"]]
+        entries = [(group, i, view) for i, (group, view) in enumerate(views)]  # i: the view's state-dict index
         mine = [float(view.numel() > 0 and view.grad is not None) for _, _, view in entries]
         flags = torch.tensor(mine or [0.0], dtype=torch.float32, device=runtime.device)
         trains = collectives.all_reduce_max(flags, runtime.group)[:len(entries)].tolist()
