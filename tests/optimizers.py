@@ -76,3 +76,73 @@ class TrustRatioAdam(torch.optim.Optimizer):
                     state["trace"].mul_(0.9).add_(update.reshape(-1), alpha=0.1)
                 p.add_(update * trust, alpha=-group["lr"])
         return loss
+
+
+@per_parameter_optimizer
+class CountedInPlace(torch.optim.Optimizer):
+    """SGD with Adam's first bias correction, the step counted in a tensor in the param group and advanced in
+    place (``group["step"].add_(1)``), as timm's LAMB counts it."""
+
+    def __init__(self, params: Any, lr: float = 0.05, beta: float = 0.9) -> None:
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            if "step" not in group:
+                group["step"] = torch.tensor(0.0)
+            group["step"].add_(1)
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / (1 - group["beta"] ** float(group["step"])))
+        return None
+
+
+@per_parameter_optimizer
+class AxisAccumulated(torch.optim.Optimizer):
+    """SM3's cover of each tensor by its axes: one accumulator per dimension (``acc_0`` of a (n, m) matrix has
+    n values, as many as a vector of n beside it has elements; per-element for the vector, whole for the
+    matrix)."""
+
+    def __init__(self, params: Any, lr: float = 0.05, eps: float = 1e-8) -> None:
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state, g2 = self.state[p], p.grad.square()
+                nu = None
+                for d in range(p.dim()):
+                    acc = state.setdefault(f"acc_{d}", p.new_zeros(p.shape[d]))
+                    shape = [1] * p.dim()
+                    shape[d] = -1
+                    nu = acc.view(shape) if nu is None else torch.minimum(nu, acc.view(shape))
+                nu = (g2 if nu is None else nu + g2)
+                for d in range(p.dim()):
+                    others = [k for k in range(p.dim()) if k != d]
+                    state[f"acc_{d}"].copy_(nu.amax(dim=others) if others else nu)
+                p.addcdiv_(p.grad, nu.sqrt().add_(group["eps"]), value=-group["lr"])
+        return None
+
+
+@per_parameter_optimizer
+class SharedCount(torch.optim.Optimizer):
+    """SGD scaled by a count kept in ``self.state["k"]``, as Facebook's (and pytorch_optimizer's) MADGRAD keep
+    it: state under no parameter, shared by all of them."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if "k" not in self.state:
+            self.state["k"] = torch.tensor([0])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * float(self.state["k"] + 1) ** 0.5)
+        self.state["k"] += 1
+        return None

@@ -111,12 +111,18 @@ class _PerParameterStep:
         for entry, flag in zip(entries, trains):
             if flag:
                 by_chunk.setdefault(index[id(entry[2])][0].index, []).append(entry)
-        before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        # tensors a step keeps in the groups may be counted in place (timm's LAMB: group["step"].add_(1)):
+        # their values are kept too, to be written back into them before each chunk's call
+        before = [{k: (v, v.clone() if isinstance(v, torch.Tensor) else None) for k, v in group.items() if k != "params"}
+                  for group in optimizer.param_groups]
         for i in sorted(by_chunk):  # the same chunks in the same order on every rank
             for group, values in zip(optimizer.param_groups, before):  # as before the step: made keys go too
                 for key in [k for k in group if k != "params" and k not in values]:
                     del group[key]
-                group.update(values)
+                for key, (value, kept) in values.items():
+                    if kept is not None:
+                        value.copy_(kept)
+                    group[key] = value
             self._chunk_step(index[id(by_chunk[i][0][2])][0], by_chunk[i], index)
         if not by_chunk:
             self._run([], [])
@@ -161,10 +167,12 @@ class _PerParameterStep:
     def _gathered(self, chunk: Any, members: list, slots: list, key: Any) -> torch.Tensor:
         """The whole chunk of the members' gradients (``key`` None) or of their per-element state ``key``."""
         state, shard = self.optimizer.state, None
-        for (_, _, view), slot in zip(members, slots):
+        for (_, i, view), slot in zip(members, slots):
             value = view.grad if key is None else state.get(view, {}).get(key)
             if value is None or value.numel() == 0:
                 continue
+            if key is not None and not is_per_element(key, value, view.shape, replicated_keys(self.optimizer, i)):
+                continue  # held whole for this member (Shampoo's preconditioner of a vector beside a matrix's)
             if shard is None:
                 shard = torch.zeros(chunk.shard_numel, dtype=value.dtype, device=chunk.master.device)
             begin, end = chunk.shard_range(slot)
@@ -176,7 +184,8 @@ class _PerParameterStep:
 
     def _dtype(self, members: list, key: str) -> torch.dtype:
         state = self.optimizer.state
-        return next(state[view][key].dtype for _, _, view in members if key in state.get(view, {}))
+        return next(state[view][key].dtype for _, i, view in members if key in state.get(view, {})
+                    and is_per_element(key, state[view][key], view.shape, replicated_keys(self.optimizer, i)))
 
     def _run(self, pairs: list[tuple[dict, nn.Parameter]], states: list[dict]) -> list[dict]:
         """Run the class's step with ``pairs`` (group, whole parameter) as the only parameters and ``states``
@@ -191,6 +200,12 @@ class _PerParameterStep:
                 group["params"].append(param)
             optimizer.state = defaultdict(dict, {param: values for (_, param), values in zip(pairs, states)})
             self.step(optimizer)
+            made = {id(param) for _, param in pairs}
+            other = [key for key in optimizer.state if id(key) not in made]
+            if other:  # MADGRAD's state["k"]: made afresh in each call, it would be lost, not counted
+                raise TypeError(f"{type(optimizer).__name__}'s step keeps state under {other[0]!r}, not a parameter's "
+                                "entry: state shared by all parameters is not per-parameter, so the class cannot be "
+                                "declared with per_parameter_optimizer (keep such counts in the param groups)")
             return [optimizer.state.get(param, {}) for _, param in pairs]
         finally:
             for group, params in zip(optimizer.param_groups, held):

@@ -160,7 +160,7 @@ def _take_optimizer(runtime: ElixirRuntime, optimizer: Optimizer,
         params.append([entries[i + k][1].param for k in range(len(group["params"]))])
         i += len(group["params"])
     sharded, layout = optimizer_layout(runtime, optimizer)
-    gathered = {i: set(part.keys) for part in layout for i, _, _ in part.members}
+    gathered = {i: {k for k in part.keys if part.is_flat(i, k)} for part in layout for i, _, _ in part.members}
     state = {i: {k: detached(v) for k, v in values.items() if k not in gathered.get(i, ())}
              for i, values in sharded["state"].items()}
     for i, key, full in optimizer_records(runtime, sharded, layout, everywhere=True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -195,10 +195,17 @@ class ChunkOptimizerState:
     """(state-dict index, slot, shard view) of the chunk's parameters that have state."""
     keys: list[str]
     """Per-element state keys (``exp_avg``, ...) of any member, gathered; the rest (``step``) is copied."""
+    flat: dict[int, set[str]] = field(default_factory=dict)
+    """Per member (by state-dict index), its own per-element keys: a key per-element for one member may be
+    held whole for another (Shampoo's preconditioner of a square matrix and of a vector beside it)."""
 
     def having(self, state: Mapping[int, Mapping[str, Any]], key: str) -> list[tuple[int, Slot, torch.Tensor]]:
-        """The members whose ``state`` holds ``key``."""
-        return [member for member in self.members if key in state[member[0]]]
+        """The members whose ``state`` holds ``key`` per element."""
+        return [member for member in self.members if key in state[member[0]] and self.is_flat(member[0], key)]
+
+    def is_flat(self, index: int, key: str) -> bool:
+        """Whether member ``index``'s ``key`` is per-element (gathered) rather than held whole."""
+        return key in self.flat[index] if index in self.flat else key in self.keys
 
 
 def agree_scalar_state(runtime, optimizer: Optimizer) -> None:
@@ -239,9 +246,9 @@ def optimizer_layout(runtime, optimizer: Optimizer) -> tuple[dict[str, Any], lis
     for chunk in runtime.chunks:
         members = [(i, slot, view) for i, (c, slot, view) in enumerate(entries) if c is chunk and i in sharded["state"]]
         if members:  # the keys of every member: they differ (amsgrad in one group only)
-            keys = sorted({k for i, _, view in members for k, v in sharded["state"][i].items()
-                           if is_per_element(k, v, view.shape, replicated_keys(optimizer, i))})
-            layout.append(ChunkOptimizerState(chunk, members, keys))
+            flat = {i: {k for k, v in sharded["state"][i].items()
+                        if is_per_element(k, v, view.shape, replicated_keys(optimizer, i))} for i, _, view in members}
+            layout.append(ChunkOptimizerState(chunk, members, sorted(set().union(*flat.values())), flat))
     return sharded, layout
 
 
@@ -252,7 +259,7 @@ def _optimizer_skeleton(sharded: dict[str, Any], layout: list[ChunkOptimizerStat
     for part in layout:
         for i, slot, _ in part.members:
             own = sharded["state"][i]
-            state[i] = {k: (value(i, k, slot, v) if k in part.keys else detached(v)) for k, v in own.items()}
+            state[i] = {k: (value(i, k, slot, v) if part.is_flat(i, k) else detached(v)) for k, v in own.items()}
     return {"state": state, "param_groups": sharded["param_groups"]}
 
 

@@ -333,6 +333,54 @@ def test_a_per_parameter_optimizer_matches_torch_runs_its_step_hooks_once_and_re
         per_parameter_optimizer(object)
 
 
+@pytest.mark.parametrize("name", ["CountedInPlace", "AxisAccumulated"])
+def test_a_per_parameter_optimizer_with_group_tensors_or_state_of_its_parameters_axes_matches_torch(name):
+    """A count the param groups keep in a tensor advanced in place advances once a step, not once per chunk;
+    a state key per-element for a vector and held whole for the matrix beside it in the same chunk (SM3's
+    and Shampoo's state per axis) is gathered only where it is per-element. Then the full optimizer state
+    dict holds torch's."""
+    from tests import optimizers
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 2))
+
+    cls = getattr(optimizers, name)
+    model, ref = make(), make()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2)))
+    assert len(runtime.chunks) > 2
+    opt, ref_opt = shard_optimizer(runtime, cls(model.parameters())), cls(ref.parameters())
+    for seed in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+        for m in (model, ref):
+            m(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    ours, theirs = full_optimizer_state_dict(runtime, opt), ref_opt.state_dict()
+    assert str(ours["param_groups"]) == str(theirs["param_groups"])
+    for index, values in theirs["state"].items():
+        assert ours["state"][index].keys() == values.keys()
+        for key, value in values.items():
+            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+
+
+def test_a_per_parameter_optimizer_with_state_under_no_parameter_is_refused():
+    """MADGRAD counts its steps in ``self.state["k"]``: made afresh in each chunk's call it would never count,
+    so the step is refused rather than trained wrong."""
+    from tests.optimizers import SharedCount
+
+    model = nn.Sequential(nn.Linear(6, 16), nn.Linear(16, 2))
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=120, cache_blocks=2)))
+    opt = shard_optimizer(runtime, SharedCount(model.parameters()))
+    model(torch.randn(4, 6)).square().mean().backward()
+    with pytest.raises(TypeError, match="SharedCount's step keeps state under 'k'"):
+        optimizer_step(runtime, opt)
+
+
 def test_optimizer_over_foreign_parameters_is_rejected():
     model = _gpt()
     runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
