@@ -146,3 +146,26 @@ class SharedCount(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"] * float(self.state["k"] + 1) ** 0.5)
         self.state["k"] += 1
         return None
+
+
+@per_parameter_optimizer
+class TensorStepMomentum(torch.optim.Optimizer):
+    """Bias-corrected momentum with its ``step`` a 0-d tensor in each parameter's state, as torch's own
+    optimizers (and timm's Adafactor of big_vision) keep it."""
+
+    def __init__(self, params: Any, lr: float = 0.05, beta: float = 0.9) -> None:
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"], state["exp_avg"] = torch.tensor(0.0), torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].lerp_(p.grad, 1 - group["beta"])
+                p.sub_(group["lr"] * state["exp_avg"] / (1 - group["beta"] ** state["step"]))
+        return None

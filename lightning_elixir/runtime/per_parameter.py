@@ -152,7 +152,7 @@ class _PerParameterStep:
             note_replicated(self.optimizer, i, values, slot.shape)
             held, kept = replicated_keys(self.optimizer, i), state[view]
             for key, value in values.items():
-                if isinstance(value, torch.Tensor) and value.shape == slot.shape and key not in held:
+                if is_per_element(key, value, slot.shape, held):  # not "step", a 0-d tensor of a 0-d parameter too
                     own = value.reshape(-1)[first:first + end - begin]
                     current = kept.get(key)
                     if isinstance(current, torch.Tensor) and current.shape == own.shape and current.dtype == own.dtype:

@@ -368,6 +368,41 @@ def test_a_per_parameter_optimizer_with_group_tensors_or_state_of_its_parameters
             torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
 
 
+def test_a_per_parameter_optimizers_tensor_step_of_a_0_d_parameter_is_kept_whole():
+    """A 0-d parameter (CLIP's logit scale) has the shape of a 0-d ``step``: the step is still held whole,
+    as everywhere else, not kept as the parameter's one element (of shape (1,) then, wrong in its update and
+    its checkpoint)."""
+    from tests.optimizers import TensorStepMomentum
+
+    class WithScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.scale = nn.Linear(3, 4), nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model, ref = WithScale(), WithScale()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=16, cache_blocks="all")))
+    opt, ref_opt = shard_optimizer(runtime, TensorStepMomentum(model.parameters())), TensorStepMomentum(ref.parameters())
+    for seed in range(3):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        for m in (model, ref):
+            m(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    ours, theirs = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
+    for index, values in theirs.items():
+        for key, value in values.items():
+            assert ours[index][key].shape == value.shape, (index, key)
+            torch.testing.assert_close(ours[index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+
+
 def test_a_per_parameter_optimizer_with_state_under_no_parameter_is_refused():
     """MADGRAD counts its steps in ``self.state["k"]``: made afresh in each chunk's call it would never count,
     so the step is refused rather than trained wrong."""
