@@ -126,22 +126,40 @@ def write_torch_file(obj: Any, records: Records, file: IO[bytes]) -> None:
     Each gathered region is written when it arrives, as one storage record, and the tensors are
     views of it in the file (as ``torch.save`` writes views that share a storage). A DeferredTensor
     that no record fills raises before ``data.pkl`` is written, so the file is never complete."""
-    writer = torch._C.PyTorchFileWriter(file, True, _ALIGNMENT)
-    placed: dict[int, tuple[_StorageRef, int, tuple[int, ...]]] = {}  # id(deferred) -> (storage, offset, stride)
-    for gathered in records:
-        if gathered.region is not None:
-            _write_region(writer, gathered, placed)
-        del gathered  # before the next gather: its views are the only references to the gathered buffer
-    pickled, storages = _pickle(obj, placed)
-    writer.write_record("data.pkl", pickled, len(pickled))
-    writer.write_record(".format_version", "1", 1)
-    writer.write_record(".storage_alignment", str(_ALIGNMENT), len(str(_ALIGNMENT)))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for key, storage in storages.items():
-        storage = storage.cpu()
-        writer.write_record(f"data/{key}", storage, storage.nbytes())
-    writer.write_end_of_file()
+    sink = _Sink(file)
+    writer = torch._C.PyTorchFileWriter(sink, True, _ALIGNMENT)
+    try:
+        placed: dict[int, tuple[_StorageRef, int, tuple[int, ...]]] = {}  # id(deferred) -> (storage, offset, stride)
+        for gathered in records:
+            if gathered.region is not None:
+                _write_region(writer, gathered, placed)
+            del gathered  # before the next gather: its views are the only references to the gathered buffer
+        pickled, storages = _pickle(obj, placed)
+        writer.write_record("data.pkl", pickled, len(pickled))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", str(_ALIGNMENT), len(str(_ALIGNMENT)))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage in storages.items():
+            storage = storage.cpu()
+            writer.write_record(f"data/{key}", storage, storage.nbytes())
+        writer.write_end_of_file()
+    except BaseException:
+        # An unfinished writer ends the archive when it is destroyed, in C++, where an error (the file closed
+        # by then, or the disk full) aborts the process: it is destroyed here, into a sink that takes no more.
+        sink.closed = True
+        del writer
+        raise
     file.flush()
+
+
+class _Sink:
+    """The file a ``PyTorchFileWriter`` writes to, which drops what comes after ``closed`` is set."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file, self.closed = file, False
+
+    def write(self, data: Any) -> int:
+        return memoryview(data).nbytes if self.closed else self.file.write(data)
 
 
 def _write_region(writer: Any, gathered: Gathered, placed: dict[int, tuple[_StorageRef, int, tuple[int, ...]]]) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +86,32 @@ def test_a_deferred_tensor_without_a_record_fails_before_the_file_looks_complete
     records = [Gathered(values[d.source].view(-1), [(d, values[d.source])]) for d in deferred_in(obj) if d.source != "b"]
     with pytest.raises(RuntimeError, match="was not gathered"):
         write_torch_file(obj, records, io.BytesIO())
+
+
+def test_a_write_that_fails_part_way_raises_its_error_and_leaves_the_process_running(tmp_path):
+    """A gather that fails (another rank's error) while rank 0 writes: the error reaches the caller, who closes
+    the file, and the process goes on. The unfinished archive writer once finished itself into the closed
+    file when it was freed, and its error in C++ aborted the process ("terminate called ...")."""
+    script = f"""
+import torch
+from lightning_elixir.runtime.full_file import DeferredTensor, Gathered, write_torch_file
+
+def records():
+    yield Gathered(torch.zeros(4), [(first, torch.zeros(4))])
+    raise RuntimeError("a gather failed")
+
+first, second = DeferredTensor("a", (4,), torch.float32), DeferredTensor("b", (4,), torch.float32)
+try:
+    with open({str(tmp_path / "part.ckpt")!r}, "wb") as file:
+        write_torch_file({{"a": first, "b": second}}, records(), file)
+except RuntimeError as err:
+    print("raised:", err)
+print("still running")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["raised: a gather failed", "still running"]
 
 
 def test_computing_with_a_deferred_tensor_says_what_to_do():
