@@ -26,9 +26,15 @@ runs its own ``step`` on whole parameters instead:
 Every element then gets what one process computes, bit for bit, and every checkpoint format, a resume
 at another world size and a plan switch carry the state (per-element state is sharded like Adam's, the
 rest is saved whole, as torch saves it). The step runs once per chunk, so values a step keeps in the
-param groups (timm's LAMB counts steps there) are set back before each chunk's call and kept from the
-last; a step over no chunk at all still runs once, with empty groups, so such counts advance as one
-process's do.
+param groups (timm's LAMB counts steps there, in a tensor advanced in place) are set back before each
+chunk's call, tensors by value, and kept from the last; a step over no chunk at all still runs once,
+with empty groups, so such counts advance as one process's do. State kept under no parameter
+(MADGRAD's ``state["k"]``, a count shared by all of them) would be made afresh in each call and never
+count, so the step raises instead: such a class is not per-parameter as written. A key may be
+per-element for one parameter and whole for another in the same chunk (Shampoo's first preconditioner
+is a square matrix's shape and not a vector's): each parameter's own keys are gathered.
+Optimizers that draw random numbers in their step (Kron/PSGD) draw them per chunk here, in another
+order than one process does, so they train as well but not to the same bits.
 
 What it costs: each step gathers (2 + the per-element state tensors) x the trained parameters' fp32
 bytes, and every rank computes every update, where an element-wise optimizer's step gathers nothing
