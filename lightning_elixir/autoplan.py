@@ -108,7 +108,7 @@ class AutoPlanner:
             hardware=strategy.hardware_profile, private_params=strategy.private_params,
             offload=OffloadSettings(nvme_path=strategy.nvme_path, host_memory_limit=strategy.host_memory_limit,
                                     updates_in_backward=strategy.updates_will_start_in_backward()),
-            optimizer_states=strategy.optimizer_states_for_planning())
+            configured=strategy.configured_for_planning())
         rank_zero_info(progress_lines(self.planning))
         return self.planning
 

@@ -42,6 +42,7 @@ from lightning_elixir.profile.preserved import preserved_rng, preserved_state
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
+from lightning_elixir.runtime.optim import state_values_per_element
 from lightning_elixir.runtime.policy import own_dtype_params
 from lightning_elixir.recompute import recompute_candidates, recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
@@ -322,18 +323,22 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
                      memory_limit: MemoryLimit = None, local_world_size: int = 1,
                      hardware: Optional[Union[HardwareProfile, str]] = None,
                      private_params: Iterable[str] = (), offload: Optional[OffloadSettings] = None,
-                     optimizer_states: Optional[float] = None) -> PlanningResult:
+                     configured: Optional[tuple[list[Any], list[Any]]] = None) -> PlanningResult:
     """``plan_automatically`` for the stage ``trainer`` runs, on a batch of that stage's data.
 
     See [Note: planning per stage]. Taking the batch is part of the trace: a stage without data
     falls back like a step that cannot be traced. Arguments as for ``plan_automatically``; the
-    micro-batches are the trainer's ``accumulate_grad_batches`` when fitting, else 1.
+    micro-batches are the trainer's ``accumulate_grad_batches`` when fitting, else 1. ``configured``:
+    the optimizers and LR schedulers of the fit, when made before planning ([Note: planning for the
+    optimizer] in autoplan.py): their state is priced, and a manually optimizing step is traced with them.
     """
     step = stage_of(trainer)
+    optimizer_states = None if configured is None else state_values_per_element(configured[0])
 
     def trace(**settings: Any) -> ModelProfile:
         data = stage_batch(trainer, step)
-        return profile_model(module, data.batch, data.step_fn, backward=step.backward, **settings)
+        return profile_model(module, data.batch, data.step_fn, backward=step.backward, configured=configured,
+                             **settings)
 
     micro_batches = trainer.accumulate_grad_batches if step.backward else 1
     return _plan(trace, step.hook, module=module, device=device, group=group, compute_dtype=compute_dtype,

@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelPruning
-from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer import call
 from lightning.pytorch.plugins.precision import Precision
@@ -63,7 +63,7 @@ from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
 from lightning_elixir.runtime.sharded import read_checkpoint
-from lightning_elixir.runtime.optim import shard_optimizer, state_values_per_element
+from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
@@ -546,11 +546,14 @@ class ElixirStrategy(ParallelStrategy):
         trainer.callbacks.insert(0, monitor)
         return monitor
 
-    def optimizer_states_for_planning(self) -> Optional[float]:
-        """Values of optimizer state per trained element of the optimizers configured for this fit, for the
-        search to price ([Note: planning for the optimizer]); None where they are not known before
-        planning (a model built on the meta device, a stage that does not fit), or not measurable."""
-        return None if self._configured is None else state_values_per_element(self._configured[0])
+    def configured_for_planning(self) -> Optional[tuple[list[Optimizer], list[Any]]]:
+        """The optimizers (without Lightning's stand-in for none) and LR schedulers configured for this fit
+        before planning, whose state the search prices ([Note: planning for the optimizer]); None where
+        they are not known then (a model built on the meta device, a stage that does not fit)."""
+        if self._configured is None:
+            return None
+        optimizers, configs = self._configured
+        return [o for o in optimizers if not isinstance(o, _MockOptimizer)], [c.scheduler for c in configs]
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:

@@ -225,10 +225,18 @@ def test_optimizer_state_is_measured_per_group_and_unmeasurable_classes_are_none
     assert state_values_per_element([TrustRatioAdam([matrix])]) == 3.0  # two moments and a flat trace
     if hasattr(torch.optim, "Adafactor"):
         assert 0 < state_values_per_element([torch.optim.Adafactor([matrix])]) < 0.1  # a row and a column
+        assert state_values_per_element([torch.optim.Adafactor([vector])]) == 1.0  # a vector's is per element
     # weighted by the trainable elements of each group: 300 with amsgrad's third moment, 100 without
     groups = torch.optim.Adam([{"params": [matrix], "amsgrad": True}, {"params": [vector]}])
     assert state_values_per_element([groups]) == (3 * 300 + 2 * 100) / 400
+    assert state_values_per_element([_SgdWithoutDefaultLr([matrix], 0.1)]) == 1.0  # lr given again, by name
+    assert state_values_per_element([]) == 0.0  # configure_optimizers returned None: nothing to keep
     assert state_values_per_element([torch.optim.LBFGS([matrix])]) is None  # needs a closure
+
+
+class _SgdWithoutDefaultLr(torch.optim.SGD):
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr, momentum=0.9)
 
 
 def _plan_for_sgd(optimizer_states):
@@ -258,13 +266,33 @@ def test_a_plan_priced_for_sgd_keeps_on_the_device_what_adams_price_offloads_and
 
 
 class _CountsConfigure(GPTLightningModule):
-    def __init__(self, meta: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
         self.configured: list[torch.optim.Optimizer] = []
 
     def configure_optimizers(self):
+        _CONFIGURE_CALLS.append(type(self).__name__)  # outside the module: the planning trace restores its state
         self.configured.append(torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9))
         return self.configured[-1]
+
+
+_CONFIGURE_CALLS: list[str] = []
+
+
+class _ManualCountsConfigure(_CountsConfigure):
+    """Manual optimization: the planning trace asks for ``self.optimizers()``, and gets the configured ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
 
 
 class _BuiltInConfigureModel(_CountsConfigure):
@@ -279,12 +307,14 @@ class _BuiltInConfigureModel(_CountsConfigure):
             self.model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
 
 
-@pytest.mark.parametrize("module, priced", [(_CountsConfigure, 4), (_BuiltInConfigureModel, 8)])
+@pytest.mark.parametrize("module, priced", [(_CountsConfigure, 4), (_ManualCountsConfigure, 4),
+                                            (_BuiltInConfigureModel, 8)])
 def test_auto_prices_the_configured_optimizer_and_configures_it_once(module, priced):
     model = module()
+    _CONFIGURE_CALLS.clear()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         strategy=ElixirStrategy(plan="auto"))
     trainer.fit(model, BigramDataModule(vocab_size=64, block_size=16, batch_size=4, num_samples=32))
-    assert len(model.configured) == 1 and trainer.optimizers == model.configured
+    assert len(_CONFIGURE_CALLS) == 1 and trainer.optimizers == model.configured
     assert trainer.strategy.planning.options.optimizer_bytes_per_numel == priced

@@ -71,6 +71,7 @@ def profile_model(
     device: torch.device | str | None = None,
     param_dtype: torch.dtype | None = None,
     backward: bool = True,
+    configured: tuple[list[Any], list[Any]] | None = None,
 ) -> ModelProfile:
     """Run one step of ``module`` on fake tensors and record what it does.
 
@@ -95,6 +96,9 @@ def profile_model(
             that the runtime's chunks hold). Default: as stored in the module.
         backward: False profiles a forward-only step (validation, test, prediction): in eval mode
             under ``torch.no_grad``, whatever it returns. The profile then has no backward accesses.
+        configured: The optimizers and LR schedulers ``configure_optimizers`` returned, when already
+            made: a manually optimizing step's ``self.optimizers()`` stands in for those. Default: the
+            stand-ins call ``configure_optimizers`` once per trace, when the step asks for them.
 
     Returns:
         The ModelProfile of one step.
@@ -110,7 +114,7 @@ def profile_model(
     table = ParamTable.from_module(module)
     tracer = StepTracer(table, hardware)
     start_s = time.perf_counter()
-    settings = _Settings(compute_dtype, device, param_dtype, backward)
+    settings = _Settings(compute_dtype, device, param_dtype, backward, configured)
     assumed = _trace(module, batch, step_fn, tracer, settings)
     profile = _assemble(table, tracer, tracer.finish(), compute_dtype)
     if assumed:
@@ -149,6 +153,8 @@ class _Settings:
     device: torch.device
     param_dtype: torch.dtype | None
     backward: bool
+    configured: tuple[list[Any], list[Any]] | None = None
+    """What ``configure_optimizers`` returned, already made (``StepStandIns``)."""
 
 
 def _value_dependent(module: nn.Module, batch: Any, step_fn: StepFn, table: ParamTable, settings: _Settings,
@@ -189,7 +195,8 @@ def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, s
         params = fake_parameters(module, mode, settings.device, settings.param_dtype)
         state = {f"module.{name}": t for name, t in fake_state(module, params, mode, settings.device).items()}
         inputs = fake_batch(batch, mode, settings.device)
-        stand_ins = StepStandIns(module, lambda loss, *args, **kwargs: _backward(tracer, loss, *args, **kwargs))
+        stand_ins = StepStandIns(module, lambda loss, *args, **kwargs: _backward(tracer, loss, *args, **kwargs),
+                                 settings.configured)
         wrapper = StepModule(module, _runner(step_fn, tracer, settings, stand_ins))
         with _step_contexts(module, mode, tracer, params, stand_ins, settings.backward, opposite) as values:
             try:

@@ -89,17 +89,22 @@ class StepStandIns:
     - ``optimizers()`` / ``lr_schedulers()`` return wrappers whose ``step`` and ``zero_grad`` do
       nothing (``step(closure)`` runs the closure) and whose other attributes (``param_groups``)
       are those of the objects ``configure_optimizers()`` returns; it is called once, on the first
-      request, with the trace paused. Several optimizers unpack as usual (``g_opt, d_opt = ...``).
+      request, with the trace paused, unless those objects were made already (``configured``: the
+      strategy configures them before planning, and the user's hook runs once per fit). Several
+      optimizers unpack as usual (``g_opt, d_opt = ...``).
     - ``manual_backward(loss, ...)`` calls ``backward`` (the traced backward) and counts the calls.
     - ``toggle_optimizer``, ``untoggle_optimizer``, ``toggled_optimizer`` and ``clip_gradients`` do
       nothing: they change which gradients exist, not which modules run (the access order).
     """
 
-    def __init__(self, module: nn.Module, backward: Callable[..., None]) -> None:
+    def __init__(self, module: nn.Module, backward: Callable[..., None],
+                 configured: tuple[list[Any], list[Any]] | None = None) -> None:
         self.module = module
         self.backward = backward
         self.backward_calls = 0
         self._configured: tuple[list[_StandInOptimizer], list[_StandInScheduler]] | None = None
+        if configured is not None:
+            self._configured = self._stand_ins(*configured)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -134,9 +139,13 @@ class StepStandIns:
             optimizers: list[Any] = []
             schedulers: list[Any] = []
             _collect_optimizers(out, optimizers, schedulers)
-            self._configured = ([_StandInOptimizer(opt) for opt in optimizers] or [_StandInOptimizer(None)],
-                                [_StandInScheduler(s) for s in schedulers])
+            self._configured = self._stand_ins(optimizers, schedulers)
         return self._configured
+
+    @staticmethod
+    def _stand_ins(optimizers: list[Any], schedulers: list[Any]) -> tuple[list[_StandInOptimizer], list[_StandInScheduler]]:
+        return ([_StandInOptimizer(opt) for opt in optimizers] or [_StandInOptimizer(None)],
+                [_StandInScheduler(s) for s in schedulers])
 
 
 @contextlib.contextmanager

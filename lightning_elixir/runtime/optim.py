@@ -174,43 +174,47 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
-ADAM_STATES = 2.0
-"""Optimizer state values per trained element that planning assumes when it cannot measure them: Adam's two moments."""
-
-
 def state_values_per_element(optimizers: list[Optimizer]) -> Optional[float]:
     """How many values of optimizer state each trained element holds, in parameter-sized units, averaged
     over ``optimizers``' trainable parameters (Adam: 2, SGD with momentum: 1, SGD without: 0, Adafactor:
-    a few per row and column), for planning; None when some class could not be measured.
+    a few per row and column of a matrix, one per element of a vector), for planning; None when some
+    class could not be measured.
 
     Measured, not looked up: each param group's class is built anew with that group's hyperparameters
-    over one 64 x 64 matrix (so factored state shows as such), stepped once on the CPU, and its tensor
-    state counted. Lightning's stand-in for no optimizer holds nothing."""
+    over one 64 x 64 matrix (so factored state shows as such) for the group's matrices, and over one
+    vector for its vectors, stepped once on the CPU, and its tensor state counted."""
     total = values = 0.0
     for optimizer in optimizers:
-        cls = type(optimizer)
-        if cls.__name__ == "_MockOptimizer":
-            continue
         for group in optimizer.param_groups:
-            numel = sum(p.numel() for p in group["params"] if p.requires_grad)
-            if not numel:
-                continue
-            per = _measured_states(cls, {k: v for k, v in group.items() if k != "params"})
-            if per is None:
-                return None
-            total, values = total + numel, values + per * numel
-    return values / total if total else None
+            hyperparameters = {k: v for k, v in group.items() if k != "params"}
+            trained = [p for p in group["params"] if p.requires_grad]
+            for shape, numel in (((64, 64), sum(p.numel() for p in trained if p.dim() > 1)),
+                                 ((4096,), sum(p.numel() for p in trained if p.dim() <= 1))):
+                if not numel:
+                    continue
+                per = _measured_states(type(optimizer), hyperparameters, shape)
+                if per is None:
+                    return None
+                total, values = total + numel, values + per * numel
+    return values / total if total else 0.0
 
 
-def _measured_states(cls: type, hyperparameters: dict[str, Any]) -> Optional[float]:
-    """State values per element of one step of ``cls`` with ``hyperparameters``; None if it cannot run so."""
-    probe = nn.Parameter(torch.linspace(-1.0, 1.0, 64 * 64).view(64, 64))
-    probe.grad = torch.linspace(0.5, -0.5, 64 * 64).view(64, 64)
+def _measured_states(cls: type, hyperparameters: dict[str, Any], shape: tuple[int, ...]) -> Optional[float]:
+    """State values per element of one step of ``cls`` with ``hyperparameters`` on a parameter of ``shape``;
+    None if it cannot run so."""
+    probe = nn.Parameter(torch.linspace(-1.0, 1.0, math.prod(shape)).view(shape))
+    probe.grad = torch.linspace(0.5, -0.5, probe.numel()).view(shape)
     hyperparameters = {k: v for k, v in hyperparameters.items() if k not in ("fused", "capturable")}
+    groups = [{"params": [probe], **hyperparameters}]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizer = cls([{"params": [probe], **hyperparameters}])
+            try:
+                optimizer = cls(groups)
+            except TypeError:  # a learning rate without a default: given again, as the constructor asks
+                if "lr" not in hyperparameters:
+                    raise
+                optimizer = cls(groups, lr=hyperparameters["lr"])
             step = type(optimizer).step  # without torch's wrapper, which would run step hooks of the user's
             (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
     except Exception as err:  # noqa: BLE001 (a class that needs other arguments or a GPU: not measured)
