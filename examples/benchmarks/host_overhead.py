@@ -52,6 +52,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from lightning_elixir import per_parameter_optimizer  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 MODELS = ("gpt", "llama", "moe", "tiny_params", "hf_gpt2", "hf_llama_lora")
@@ -63,8 +64,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default="gpt")
     p.add_argument("--experts", type=int, default=16, help="experts per block of --model moe")
-    p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw",
-                   help="adamw: the model's own (configure_optimizers); adafactor: torch's, over every parameter")
+    p.add_argument("--optimizer", choices=("adamw", "adafactor", "lamb"), default="adamw",
+                   help="adamw: the model's own (configure_optimizers); adafactor: torch's, over every parameter; "
+                        "lamb: LAMB, declared per-parameter (its step on whole parameters gathered chunk by chunk)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--checkpointing", choices=("off", "on", "both"), default="both")
@@ -135,7 +137,40 @@ def optimizer_of(args: argparse.Namespace, module: Any) -> Any:
     """The optimizer ``--optimizer`` names for ``module``."""
     if args.optimizer == "adafactor":
         return torch.optim.Adafactor(module.parameters(), lr=1e-2)
+    if args.optimizer == "lamb":
+        return Lamb(module.parameters(), lr=1e-3)
     return module.configure_optimizers()
+
+
+@per_parameter_optimizer
+class Lamb(torch.optim.Optimizer):
+    """LAMB: Adam's update with weight decay, scaled per parameter by ||parameter|| / ||update||."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = (state["exp_avg"] / (1 - beta1 ** state["step"])) / (
+                    (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt() + group["eps"])
+                update.add_(p, alpha=group["weight_decay"])
+                w, u = p.norm(), update.norm()
+                trust = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+                p.sub_(update * (trust * group["lr"]))
+        return None
 
 
 def make_step(args: argparse.Namespace, system: str, checkpointing: bool, world_size: int) -> Callable[[Any], None]:
