@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
-import warnings
 import dataclasses
+import warnings
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -285,6 +286,42 @@ def test_a_declared_optimizer_runs_on_shards_and_the_declaration_checks_its_argu
         elementwise_optimizer(object)
 
 
+def _small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 2))
+
+
+def _beside_torch(make: Callable[[], nn.Module], plan: ElixirPlan, optimizer_of: Callable[[nn.Module], Any],
+                  inputs: int, before: Callable[[Any], None] = lambda opt: None,
+                  each_step: Callable[[int, nn.Module], None] = lambda seed, m: None) -> tuple[Any, Any]:
+    """Three steps of ``make()`` under ``plan`` (every chunk's state on the host) with ``optimizer_of``'s
+    optimizer sharded, and of another ``make()`` with it unsharded; asserts that the weights and the full
+    optimizer state dicts (keys, shapes, values) are torch's; returns the two optimizers."""
+    model, ref = make(), make()
+    runtime = ElixirRuntime(model, on_host(model, plan))
+    opt, ref_opt = shard_optimizer(runtime, optimizer_of(model)), optimizer_of(ref)
+    before(opt)
+    for seed in range(3):
+        x = torch.randn(4, inputs, generator=torch.Generator().manual_seed(seed))
+        for m in (model, ref):
+            each_step(seed, m)
+            m(x).square().mean().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    ours, theirs = full_optimizer_state_dict(runtime, opt), ref_opt.state_dict()
+    assert str(ours["param_groups"]) == str(theirs["param_groups"])
+    for index, values in theirs["state"].items():
+        assert ours["state"][index].keys() == values.keys()
+        for key, value in values.items():
+            assert ours["state"][index][key].shape == value.shape, (index, key)
+            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+    return opt, ref_opt
+
+
 def test_a_per_parameter_optimizer_matches_torch_runs_its_step_hooks_once_and_refuses_nvme(tmp_path):
     """Its own step runs once per chunk on whole parameters: chunks smaller than the model, every chunk's
     state on the host, a parameter left without a gradient. The step hooks run once per step, as torch's
@@ -292,37 +329,22 @@ def test_a_per_parameter_optimizer_matches_torch_runs_its_step_hooks_once_and_re
     from lightning_elixir.runtime.per_parameter import per_parameter_optimizer
     from tests.optimizers import TrustRatioAdam
 
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 2))
-
-    model, ref = make(), make()
-    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2)))
-    assert len(runtime.chunks) > 2
-    opt = shard_optimizer(runtime, TrustRatioAdam(model.parameters(), weight_decay=0.1))
-    ref_opt = TrustRatioAdam(ref.parameters(), weight_decay=0.1)
     calls = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
-    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
-    for seed in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
-        for m in (model, ref):
-            m[3].bias.requires_grad_(seed != 1)  # no gradient in one step: skipped, as torch skips it
-            m(x).square().mean().backward()
-        optimizer_step(runtime, opt)
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    assert calls == ["pre", "post"] * 3 and opt.param_groups[0]["step"] == ref_opt.param_groups[0]["step"] == 3
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    state, ref_state = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
-    for index, values in ref_state.items():
-        for key, value in values.items():
-            assert state[index][key].shape == value.shape, (index, key)
-            torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
 
-    model = make()
+    def hooked(opt):
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+
+    def no_grad_in_one_step(seed, m):  # skipped there, as torch skips it
+        m[3].bias.requires_grad_(seed != 1)
+
+    assert len(ElixirRuntime(_small_mlp(), ElixirPlan(chunk_numel=300)).chunks) > 2
+    opt, ref_opt = _beside_torch(_small_mlp, ElixirPlan(chunk_numel=300, cache_blocks=2),
+                                 lambda m: TrustRatioAdam(m.parameters(), weight_decay=0.1), 6, hooked,
+                                 no_grad_in_one_step)
+    assert calls == ["pre", "post"] * 3 and opt.param_groups[0]["step"] == ref_opt.param_groups[0]["step"] == 3
+
+    model = _small_mlp()
     plan = on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2))
     plan = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, placement="nvme") for c in plan.chunks))
     with pytest.raises(ValueError, match="TrustRatioAdam cannot update it"):
@@ -341,31 +363,8 @@ def test_a_per_parameter_optimizer_with_group_tensors_or_state_of_its_parameters
     dict holds torch's."""
     from tests import optimizers
 
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 2))
-
     cls = getattr(optimizers, name)
-    model, ref = make(), make()
-    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=300, cache_blocks=2)))
-    assert len(runtime.chunks) > 2
-    opt, ref_opt = shard_optimizer(runtime, cls(model.parameters())), cls(ref.parameters())
-    for seed in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
-        for m in (model, ref):
-            m(x).square().mean().backward()
-        optimizer_step(runtime, opt)
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    ours, theirs = full_optimizer_state_dict(runtime, opt), ref_opt.state_dict()
-    assert str(ours["param_groups"]) == str(theirs["param_groups"])
-    for index, values in theirs["state"].items():
-        assert ours["state"][index].keys() == values.keys()
-        for key, value in values.items():
-            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+    _beside_torch(_small_mlp, ElixirPlan(chunk_numel=300, cache_blocks=2), lambda m: cls(m.parameters()), 6)
 
 
 def test_a_per_parameter_optimizers_tensor_step_of_a_0_d_parameter_is_kept_whole():
@@ -383,24 +382,8 @@ def test_a_per_parameter_optimizers_tensor_step_of_a_0_d_parameter_is_kept_whole
         def forward(self, x):
             return self.lin(x) * self.scale
 
-    model, ref = WithScale(), WithScale()
-    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=16, cache_blocks="all")))
-    opt, ref_opt = shard_optimizer(runtime, TensorStepMomentum(model.parameters())), TensorStepMomentum(ref.parameters())
-    for seed in range(3):
-        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
-        for m in (model, ref):
-            m(x).square().mean().backward()
-        optimizer_step(runtime, opt)
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full_state_dict(runtime)[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    ours, theirs = full_optimizer_state_dict(runtime, opt)["state"], ref_opt.state_dict()["state"]
-    for index, values in theirs.items():
-        for key, value in values.items():
-            assert ours[index][key].shape == value.shape, (index, key)
-            torch.testing.assert_close(ours[index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index} {key}")
+    _beside_torch(WithScale, ElixirPlan(chunk_numel=16, cache_blocks="all"),
+                  lambda m: TensorStepMomentum(m.parameters()), 3)
 
 
 def test_a_per_parameter_optimizer_with_state_under_no_parameter_is_refused():
