@@ -25,14 +25,15 @@ calls ``configure_optimizers`` before planning, as Lightning's DeepSpeed strateg
 the model, and ``setup_optimizers`` then takes those objects: the user's hook still runs once per fit,
 and the optimizers hold the module's parameters, which keep their identity when chunked (their class
 changes, not the object). The planning trace of a manually optimizing step hands those objects to its
-``self.optimizers()`` (``StepStandIns``), where it used to call ``configure_optimizers`` again. ``optim.state_values_per_element`` measures each param group's state by
-building its class anew over a 64 x 64 matrix (and a vector, for the group's vectors) and stepping it
-once on the CPU. Not priced: a model
-built on the meta device (``configure_model``; its parameters are replaced when chunked, so its
-optimizers are configured after), and a class that cannot be built from its param groups alone or
-step on the CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that does
-not fit. A per-parameter optimizer's gathers at the step ([Note: per-parameter optimizers]) are not
-priced either.
+``self.optimizers()`` (``StepStandIns``), where it used to call ``configure_optimizers`` again.
+
+``optim.state_values_per_element`` measures each param group's state by building its class anew over
+a 64 x 64 matrix (and a vector, for the group's vectors) and stepping it once on the CPU. Not priced:
+a model built on the meta device (``configure_model``; its parameters are replaced when chunked, so
+its optimizers are configured after), and a class that cannot be built from its param groups alone
+or step on the CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that
+does not fit. A per-parameter optimizer's gathers at the step ([Note: per-parameter optimizers]) are
+not priced either.
 """
 
 from __future__ import annotations
