@@ -169,3 +169,21 @@ class TensorStepMomentum(torch.optim.Optimizer):
                 state["exp_avg"].lerp_(p.grad, 1 - group["beta"])
                 p.sub_(group["lr"] * state["exp_avg"] / (1 - group["beta"] ** state["step"]))
         return None
+
+
+@per_parameter_optimizer
+class CachesPerParameter(torch.optim.Optimizer):
+    """SGD that caches something per parameter object, as Kron caches each parameter's einsum expressions."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, dict(lr=lr))
+        self.cache: dict[torch.Tensor, torch.Size] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.cache.setdefault(p, p.shape)
+                    p.add_(p.grad, alpha=-group["lr"])
+        return None

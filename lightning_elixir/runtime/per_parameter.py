@@ -103,6 +103,10 @@ class _PerParameterStep:
         self.runtime, self.optimizer = runtime, optimizer
         step = type(optimizer).step  # without torch's profiling wrapper, which runs the step hooks per call
         self.step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        self._wholes: dict[int, nn.Parameter] = {}
+        """One whole parameter per shard view (by id), made once: it holds the gathered chunk's values and
+        gradient during its chunk's call only, so what a step caches per parameter object (Kron's einsum
+        expressions) stays one entry per parameter, and no gathered chunk outlives the step."""
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -144,7 +148,10 @@ class _PerParameterStep:
         grads = self._gathered(chunk, members, slots, None)
         params, states = [], []
         for (_, _, view), slot, held in zip(members, slots, whole):
-            param = nn.Parameter(masters[slot.offset:slot.end].view(slot.shape), requires_grad=True)
+            param = self._wholes.get(id(view))
+            if param is None:
+                param = self._wholes[id(view)] = nn.Parameter(masters.new_empty(0), requires_grad=True)
+            param.data = masters[slot.offset:slot.end].view(slot.shape)
             param.grad = grads[slot.offset:slot.end].view(slot.shape)
             own = state.get(view, {})
             states.append({k: (full[k][slot.offset:slot.end].view(slot.shape)
@@ -167,6 +174,9 @@ class _PerParameterStep:
                         kept[key] = own.to(view.device, copy=True)
                 else:
                     kept[key] = value.to(view.device) if isinstance(value, torch.Tensor) else value
+        for param in params:  # the gathered chunk goes with the step
+            param.grad = None
+            param.data = masters.new_empty(0)
         if chunk.offloaded:  # no worker updated it: its compute shard is refreshed here ([Note: offloaded updates])
             chunk.refresh_shard()
 

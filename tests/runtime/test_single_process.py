@@ -367,6 +367,17 @@ def test_a_per_parameter_optimizer_with_group_tensors_or_state_of_its_parameters
     _beside_torch(_small_mlp, ElixirPlan(chunk_numel=300, cache_blocks=2), lambda m: cls(m.parameters()), 6)
 
 
+def test_a_per_parameter_optimizer_sees_one_whole_parameter_object_per_parameter_across_steps():
+    """What a step caches per parameter object (Kron's expressions) stays one entry per parameter, as under
+    torch, rather than one per step holding that step's gathered chunk."""
+    from tests.optimizers import CachesPerParameter
+
+    opt, ref_opt = _beside_torch(_small_mlp, ElixirPlan(chunk_numel=300, cache_blocks=2),
+                                 lambda m: CachesPerParameter(m.parameters()), 6)
+    assert len(opt.cache) == len(ref_opt.cache) == len(list(_small_mlp().parameters()))
+    assert all(p.numel() == 0 and p.grad is None for p in opt.cache)  # none holds a gathered chunk after its step
+
+
 def test_a_per_parameter_optimizers_tensor_step_of_a_0_d_parameter_is_kept_whole():
     """A 0-d parameter (CLIP's logit scale) has the shape of a 0-d ``step``: the step is still held whole,
     as everywhere else, not kept as the parameter's one element (of shape (1,) then, wrong in its update and
