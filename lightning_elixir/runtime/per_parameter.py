@@ -38,7 +38,9 @@ order than one process does, so they train as well but not to the same bits.
 
 What it costs: each step gathers (2 + the per-element state tensors) x the trained parameters' fp32
 bytes, and every rank computes every update, where an element-wise optimizer's step gathers nothing
-and computes only this rank's shard. It is the general fallback, not the fast path. Offloaded
+and computes only this rank's shard. On the host: the reduced gradient shard is gathered as it is
+(the members' gradients are its slices, unless code assigned others) and this rank's master shard goes
+back in one copy; the per-element state is copied per parameter, into the gathered buffers and back. It is the general fallback, not the fast path. Offloaded
 chunks update here too (their gathered values are on the device; the kept slices go back to the host),
 and their compute shards are refreshed after; chunks on NVMe are refused. An optimizer that mixes
 parameters within its step (LBFGS flattens them all; timm's LAMB with ``max_grad_norm`` clips by
@@ -145,7 +147,8 @@ class _PerParameterStep:
                        for k, v in state.get(view, {}).items() if is_per_element(k, v, view.shape, held)})
         masters = chunk.gather_full(chunk.master)
         full = {key: self._gathered(chunk, members, slots, key) for key in keys}
-        grads = self._gathered(chunk, members, slots, None)
+        grads = chunk.gather_full(chunk.grad_shard) if self._grads_in_shard(chunk, members, slots) else \
+            self._gathered(chunk, members, slots, None)
         params, states = [], []
         for (_, _, view), slot, held in zip(members, slots, whole):
             param = self._wholes.get(id(view))
@@ -158,10 +161,15 @@ class _PerParameterStep:
                                if k in full and is_per_element(k, v, view.shape, held) else v) for k, v in own.items()})
             params.append(param)
         updated = self._run([(group, param) for (group, _, _), param in zip(members, params)], states)
+        at, size = masters.data_ptr(), masters.element_size()
+        in_place = all(param.data_ptr() == at + slot.offset * size for param, slot in zip(params, slots))
+        if in_place:  # the step updated the parameters where they lie: this rank's shard goes back in one copy
+            chunk.master.copy_(masters[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel])
         for (_, i, view), slot, param, values in zip(members, slots, params, updated):
             begin, end = chunk.shard_range(slot)
             first = chunk.shard_begin + begin - slot.offset  # this view's first element within the parameter
-            view.copy_(param.reshape(-1)[first:first + end - begin])
+            if not in_place:  # a step that rebinds ``p.data``
+                view.copy_(param.reshape(-1)[first:first + end - begin])
             note_replicated(self.optimizer, i, values, slot.shape)
             held, kept = replicated_keys(self.optimizer, i), state[view]
             for key, value in values.items():
@@ -179,6 +187,20 @@ class _PerParameterStep:
             param.data = masters.new_empty(0)
         if chunk.offloaded:  # no worker updated it: its compute shard is refreshed here ([Note: offloaded updates])
             chunk.refresh_shard()
+
+    @staticmethod
+    def _grads_in_shard(chunk: Any, members: list, slots: list) -> bool:
+        """Whether the members' gradients are their slices of the chunk's reduced gradient shard (as after a
+        backward on the device), so that the shard is gathered as it is."""
+        shard = chunk.grad_shard
+        at, size = shard.data_ptr(), shard.element_size()
+        for (_, _, view), slot in zip(members, slots):
+            begin, end = chunk.shard_range(slot)
+            grad = view.grad
+            if begin < end and (grad is None or grad.dtype != shard.dtype or grad.device != shard.device
+                                or grad.data_ptr() != at + begin * size):
+                return False
+        return True
 
     def _gathered(self, chunk: Any, members: list, slots: list, key: Any) -> torch.Tensor:
         """The whole chunk of the members' gradients (``key`` None) or of their per-element state ``key``."""
