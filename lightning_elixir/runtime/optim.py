@@ -43,7 +43,7 @@ from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.state_dict import load_full_optimizer_state_dict
 from lightning_elixir.runtime.factored import install_adafactor_step, is_adafactor
 from lightning_elixir.runtime.per_parameter import install_per_parameter_step, is_per_parameter
-from lightning_elixir.runtime.whole import install_muon_step, is_muon
+from lightning_elixir.runtime.whole import install_muon_step, is_muon, unhooked_step
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,7 @@ def _measured_states(cls: type, hyperparameters: dict[str, Any], shape: tuple[in
                 if "lr" not in hyperparameters:
                     raise
                 optimizer = cls(groups, lr=hyperparameters["lr"])
-            step = type(optimizer).step  # without torch's wrapper, which would run step hooks of the user's
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
+            unhooked_step(type(optimizer))(optimizer)  # no step hook of the user's sees the probe
     except Exception as err:  # noqa: BLE001 (a class that needs other arguments or a GPU: not measured)
         log.debug("could not measure the state of %s", cls.__name__, exc_info=err)
         return None

@@ -60,7 +60,7 @@ from torch.optim import Optimizer
 
 from lightning_elixir.runtime import collectives
 from lightning_elixir.runtime.state_dict import hold_replicated, is_per_element, note_replicated, replicated_keys
-from lightning_elixir.runtime.whole import install_step, refuse_nvme
+from lightning_elixir.runtime.whole import install_step, refuse_nvme, unhooked_step
 
 _declared: set[type] = set()
 """Classes declared with ``per_parameter_optimizer``."""
@@ -103,8 +103,7 @@ class _PerParameterStep:
 
     def __init__(self, runtime: Any, optimizer: Optimizer) -> None:
         self.runtime, self.optimizer = runtime, optimizer
-        step = type(optimizer).step  # without torch's profiling wrapper, which runs the step hooks per call
-        self.step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        self.step = unhooked_step(type(optimizer))  # the hooks run once per step, around all chunks' calls
         self._wholes: dict[int, nn.Parameter] = {}
         """One whole parameter per shard view (by id), made once: it holds the gathered chunk's values and
         gradient during its chunk's call only, so what a step caches per parameter object (Kron's einsum

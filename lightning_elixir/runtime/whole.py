@@ -37,11 +37,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
-
-from lightning_elixir.runtime import collectives
-
 from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
+
+from lightning_elixir.runtime import collectives
 
 try:
     from torch.optim import Muon
@@ -87,6 +86,13 @@ def install_step(optimizer: Optimizer, step: Callable[[], None]) -> None:
         optimizer.step = tracked  # type: ignore[method-assign]
     else:
         optimizer.step = types.MethodType(_run_own_step, optimizer)  # type: ignore[method-assign]
+
+
+def unhooked_step(cls: type) -> Callable[..., Any]:
+    """``cls.step`` without torch's profiling wrapper (added to the class when its first instance is made),
+    which runs the optimizer's step hooks: for calls that are not the user's step."""
+    step = cls.step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
 def _run_own_step(optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
