@@ -27,13 +27,19 @@ and the optimizers hold the module's parameters, which keep their identity when 
 changes, not the object). The planning trace of a manually optimizing step hands those objects to its
 ``self.optimizers()`` (``StepStandIns``), where it used to call ``configure_optimizers`` again.
 
-``optim.state_values_per_element`` measures each param group's state by building its class anew over
-a 64 x 64 matrix (and a vector, for the group's vectors) and stepping it once on the CPU. Not priced:
-a model built on the meta device (``configure_model``; its parameters are replaced when chunked, so
-its optimizers are configured after), and a class that cannot be built from its param groups alone
-or step on the CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that
-does not fit. A per-parameter optimizer's gathers at the step ([Note: per-parameter optimizers]) are
-not priced either.
+``optim.state_footprint`` measures each param group's state by building its class anew over a 64 x 64
+matrix (and a vector, for the group's vectors) and stepping it once on the CPU. State of the
+parameter's shape is sharded with its chunk and placed with it; state of any other shape (Shampoo's
+preconditioners, Adafactor's rows and columns) is held whole by every rank on the device, so it is
+priced per trained element of the whole model, not of a shard (at 4 ranks, a quarter of it would be
+counted). Where the step gathers a chunk at a time (a per-parameter optimizer's masters, gradients and
+per-element state, [Note: per-parameter optimizers]; Muon's update), the largest chunk's gathers are
+priced after the activations are freed: the peak is the larger of the two. Not priced: a model built
+on the meta device (``configure_model``; its parameters are replaced when chunked, so its optimizers
+are configured after), and a class that cannot be built from its param groups alone or step on the
+CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that does not fit.
+The probe's square matrix stands for every matrix: a preconditioner per side of a tall matrix holds
+more per element than a square one's.
 """
 
 from __future__ import annotations
@@ -59,6 +65,16 @@ BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimiz
                              "configure_gradient_clipping", "optimizer_step")
 """LightningModule hooks that run between a backward and its optimizer step, around both, or run the
 backward itself (``retain_graph``: a second backward would read parameters already updated)."""
+
+
+def _optimizer_price(options: Any) -> str:
+    """What the search priced the optimizer at, for the console line."""
+    text = f"; optimizer state priced at {options.optimizer_bytes_per_numel} B per element"
+    if options.whole_state_bytes_per_numel:
+        text += f" sharded and {options.whole_state_bytes_per_numel} B held whole"
+    if options.step_gather_bytes_per_numel:
+        text += f", {options.step_gather_bytes_per_numel} B per element of a chunk gathered at the step"
+    return text
 
 
 def updates_start_in_backward(module: Any, wanted: Optional[bool], accelerator: bool, fp16_scaler: bool,
@@ -171,8 +187,7 @@ def progress_lines(planning: PlanningResult) -> str:
     lines.append(f"Elixir: predicted step {format_ms(w.step_s)} (lower bound {format_ms(report.lower_bound_s)}, "
                  f"{report.lower_bound_reason}); peak {format_bytes(w.peak_bytes)} of "
                  f"{format_bytes(report.budget_bytes)} budget per rank; {report.placement_summary()}"
-                 + (f"; optimizer state priced at {planning.options.optimizer_bytes_per_numel} B per element"
-                    if planning.options is not None else ""))
+                 + (_optimizer_price(planning.options) if planning.options is not None else ""))
     lines += [f"Elixir: {note}" for note in planning.notes if note.startswith("recomputing")]
     return "\n".join(lines)
 

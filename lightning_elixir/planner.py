@@ -42,7 +42,7 @@ from lightning_elixir.profile.preserved import preserved_rng, preserved_state
 from lightning_elixir.profile.types import HardwareProfile, ModelProfile
 from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
-from lightning_elixir.runtime.optim import state_values_per_element
+from lightning_elixir.runtime.optim import StateFootprint, state_footprint
 from lightning_elixir.runtime.policy import own_dtype_params
 from lightning_elixir.recompute import recompute_candidates, recomputing
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
@@ -284,7 +284,7 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
                        hardware: Optional[Union[HardwareProfile, str]] = None, step_fn: Optional[StepFn] = None,
                        backward: bool = True, private_params: Iterable[str] = (),
                        offload: Optional[OffloadSettings] = None,
-                       optimizer_states: Optional[float] = None) -> PlanningResult:
+                       optimizer_states: Optional[StateFootprint] = None) -> PlanningResult:
     """Profile one step of ``module`` on ``batch``, search and agree on a plan. Call on every rank.
 
     Args:
@@ -302,8 +302,8 @@ def plan_automatically(module: torch.nn.Module, batch: Any, *, device: torch.dev
         backward: False for a forward-only step.
         private_params: Names that get a private chunk besides those the profile finds shared.
         offload: Where sharded state may go besides the device (default: host memory, no NVMe).
-        optimizer_states: Values of optimizer state per trained element (SGD with momentum: 1); None:
-            Adam's 2.
+        optimizer_states: The optimizer's state and step buffers per trained element
+            (``optim.state_footprint``); None: Adam's two moments.
 
     Returns:
         The plan and how it was found. When the step cannot be traced, ``FALLBACK_PLAN`` with a
@@ -333,7 +333,7 @@ def plan_for_trainer(module: torch.nn.Module, trainer: Any, *, device: torch.dev
     optimizer] in autoplan.py): their state is priced, and a manually optimizing step is traced with them.
     """
     step = stage_of(trainer)
-    optimizer_states = None if configured is None else state_values_per_element(configured[0])
+    optimizer_states = None if configured is None else state_footprint(configured[0])
 
     def trace(**settings: Any) -> ModelProfile:
         data = stage_batch(trainer, step)
@@ -376,7 +376,8 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
           compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], micro_batches: int,
           memory_limit: MemoryLimit, local_world_size: int,
           hardware: Optional[Union[HardwareProfile, str]], private_params: Iterable[str] = (),
-          offload: Optional[OffloadSettings] = None, optimizer_states: Optional[float] = None) -> PlanningResult:
+          offload: Optional[OffloadSettings] = None, optimizer_states: Optional[StateFootprint] = None
+          ) -> PlanningResult:
     """Measure, trace (or fall back), search, agree; with the random generators put back after."""
     offload = offload or OffloadSettings()
     private_params = (*private_params, *own_dtype_params(module, (compute_dtype,)))  # chunks of their own dtype
@@ -481,7 +482,8 @@ def _warn_fallback(what: str, reason: str) -> None:
 
 
 def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype],
-             offload: OffloadSettings, local_world_size: int, optimizer_states: Optional[float]) -> SearchOptions:
+             offload: OffloadSettings, local_world_size: int, optimizer_states: Optional[StateFootprint]
+             ) -> SearchOptions:
     """Search options for this precision and offload settings, with this machine's host memory.
 
     Under an emulated device budget ([Note: emulated device memory]) the device has no allocator,
@@ -498,20 +500,23 @@ def _options(world_size: int, micro_batches: int, compute_dtype: torch.dtype, au
 def search_options(world_size: int, micro_batches: int, compute_dtype: torch.dtype,
                    autocast_dtype: Optional[torch.dtype], *, allow_cpu: bool = True, nvme_available: bool = False,
                    host_memory_bytes: Optional[int] = None, updates_in_backward: bool = False,
-                   optimizer_states: Optional[float] = None) -> SearchOptions:
+                   optimizer_states: Optional[StateFootprint] = None) -> SearchOptions:
     """Search options that describe what the runtime will do with this precision and offload settings.
 
     Pure: the host memory is an argument, so a plan can be searched for another machine.
-    ``optimizer_states``: values of optimizer state per trained element (``optim.state_values_per_element``);
-    None: Adam's two moments.
+    ``optimizer_states``: the optimizer's state and step buffers per trained element
+    (``optim.state_footprint``); None: Adam's two moments.
     """
     true_precision = autocast_dtype is None and compute_dtype != torch.float32  # bf16-true, 16-true, 64-true
     size = compute_dtype.itemsize if true_precision else 4  # of gradients, masters and optimizer states
+    states = StateFootprint(2.0) if optimizer_states is None else optimizer_states
     return SearchOptions(
         world_size=world_size, micro_batches=micro_batches,
         master_bytes_per_numel=0 if true_precision else None,  # bf16-true: the master is the shard
         grad_bytes_per_numel=size,
-        optimizer_bytes_per_numel=math.ceil((2.0 if optimizer_states is None else optimizer_states) * size),
+        optimizer_bytes_per_numel=math.ceil(states.sharded * size),
+        whole_state_bytes_per_numel=round(states.whole * size),  # the probe's rows and columns: ~0 on a real matrix
+        step_gather_bytes_per_numel=math.ceil(states.gathered * size),
         reduce_in_fp32=not true_precision,
         allow_cpu=allow_cpu, nvme_available=nvme_available, host_memory_bytes=host_memory_bytes,
         updates_in_backward=updates_in_backward)

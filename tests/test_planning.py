@@ -20,7 +20,7 @@ from lightning_elixir import planner
 from lightning_elixir.planner import OffloadSettings, budget_bytes, plan_automatically
 from lightning_elixir.profile import profile_model
 from lightning_elixir.runtime.collectives import Group
-from lightning_elixir.runtime.optim import optimizer_step, shard_optimizer
+from lightning_elixir.runtime.optim import StateFootprint, optimizer_step, shard_optimizer
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search import NoPlanFitsError, build_layout, simulate_gathers
 from lightning_elixir.search.layout import access_chunks
@@ -215,23 +215,31 @@ def test_host_memory_for_offloaded_state_is_the_least_over_machines():
 
 
 def test_optimizer_state_is_measured_per_group_and_unmeasurable_classes_are_none():
-    from lightning_elixir.runtime.optim import state_values_per_element
+    from lightning_elixir.runtime.optim import StateFootprint, state_footprint
     from tests.optimizers import TrustRatioAdam
 
+    def sharded(optimizer):
+        return state_footprint([optimizer]).sharded
+
     matrix, vector = torch.nn.Parameter(torch.zeros(30, 10)), torch.nn.Parameter(torch.zeros(100))
-    assert state_values_per_element([torch.optim.AdamW([matrix])]) == 2.0
-    assert state_values_per_element([torch.optim.SGD([matrix], lr=0.1)]) == 0.0
-    assert state_values_per_element([torch.optim.SGD([matrix], lr=0.1, momentum=0.9)]) == 1.0
-    assert state_values_per_element([TrustRatioAdam([matrix])]) == 3.0  # two moments and a flat trace
+    assert state_footprint([torch.optim.AdamW([matrix])]) == StateFootprint(2.0)
+    assert sharded(torch.optim.SGD([matrix], lr=0.1)) == 0.0
+    assert sharded(torch.optim.SGD([matrix], lr=0.1, momentum=0.9)) == 1.0
+    # two moments sharded, a flat trace held whole, and the step gathers masters, gradients and moments
+    assert state_footprint([TrustRatioAdam([matrix])]) == StateFootprint(2.0, 1.0, 4.0)
+    assert state_footprint([TrustRatioAdam([vector])]) == StateFootprint(2.0, 0.0, 4.0)  # no trace for a vector
     if hasattr(torch.optim, "Adafactor"):
-        assert 0 < state_values_per_element([torch.optim.Adafactor([matrix])]) < 0.1  # a row and a column
-        assert state_values_per_element([torch.optim.Adafactor([vector])]) == 1.0  # a vector's is per element
+        factored = state_footprint([torch.optim.Adafactor([matrix])])
+        assert factored.sharded == 0.0 and 0 < factored.whole < 0.1 and not factored.gathered  # a row and a column
+        assert state_footprint([torch.optim.Adafactor([vector])]) == StateFootprint(1.0)  # a vector's is per element
+    if hasattr(torch.optim, "Muon"):
+        assert state_footprint([torch.optim.Muon([matrix])]) == StateFootprint(1.0, 0.0, 1.0)  # momentum; the update
     # weighted by the trainable elements of each group: 300 with amsgrad's third moment, 100 without
     groups = torch.optim.Adam([{"params": [matrix], "amsgrad": True}, {"params": [vector]}])
-    assert state_values_per_element([groups]) == (3 * 300 + 2 * 100) / 400
-    assert state_values_per_element([_SgdWithoutDefaultLr([matrix], 0.1)]) == 1.0  # lr given again, by name
-    assert state_values_per_element([]) == 0.0  # configure_optimizers returned None: nothing to keep
-    assert state_values_per_element([torch.optim.LBFGS([matrix])]) is None  # needs a closure
+    assert sharded(groups) == (3 * 300 + 2 * 100) / 400
+    assert sharded(_SgdWithoutDefaultLr([matrix], 0.1)) == 1.0  # lr given again, by name
+    assert state_footprint([]) == StateFootprint(0.0)  # configure_optimizers returned None: nothing to keep
+    assert state_footprint([torch.optim.LBFGS([matrix])]) is None  # needs a closure
 
 
 class _SgdWithoutDefaultLr(torch.optim.SGD):
@@ -254,7 +262,7 @@ def _plan_for_sgd(optimizer_states):
 def test_a_plan_priced_for_sgd_keeps_on_the_device_what_adams_price_offloads_and_counts_its_state():
     _, adam = _plan_for_sgd(None)
     assert adam.plan.offloads
-    model, sgd = _plan_for_sgd(1.0)  # SGD with momentum: one value per element
+    model, sgd = _plan_for_sgd(StateFootprint(1.0))  # SGD with momentum: one value per element
     assert not sgd.plan.offloads and sgd.options.optimizer_bytes_per_numel == 4
     runtime = ElixirRuntime(model, sgd.plan)
     opt = shard_optimizer(runtime, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
@@ -263,6 +271,33 @@ def test_a_plan_priced_for_sgd_keeps_on_the_device_what_adams_price_offloads_and
     padding = sum((c.shard_numel - sum(e - b for b, e in map(c.shard_range, c.slots))) * 4 for c in runtime.chunks)
     assert sgd.report.memory.device_state_bytes - padding == runtime.memory_stats()["device_state_bytes"]
     runtime.restore_module()
+
+
+def test_state_held_whole_and_the_steps_gathers_are_in_the_predicted_peak():
+    """A per-parameter optimizer's state of other shapes is held whole by every rank, and its step gathers a
+    chunk's masters, gradients and moments: both are in the peak, so where Adam's price keeps every chunk's
+    state on the device, the real price offloads some."""
+    settings = dict(device=torch.device("cpu"), group=Group.default(), compute_dtype=torch.float32,
+                    autocast_dtype=None, micro_batches=1, step_fn=_step)
+    torch.manual_seed(0)
+    model, heavy = GPT(CONFIG), StateFootprint(2.0, 1.0, 2.0)
+
+    def plan(states, budget, **more):
+        return plan_automatically(model, _batch(), memory_limit=budget, optimizer_states=states, **settings, **more)
+
+    def least_all_device(states):
+        with pytest.raises(NoPlanFitsError) as device_only:
+            plan(states, 1 << 20, offload=OffloadSettings(allow_cpu=False))
+        return device_only.value.min_device_bytes
+
+    least_adam, least_heavy = least_all_device(None), least_all_device(heavy)
+    assert least_heavy > least_adam
+    budget = least_heavy - 1
+    adam, real = plan(None, budget), plan(heavy, budget)
+    memory = real.report.memory
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert memory.whole_state_bytes == trained * 4 and memory.step_gather_bytes > memory.activation_bytes
+    assert not adam.plan.offloads and real.plan.offloads and memory.peak_bytes <= budget
 
 
 class _CountsConfigure(GPTLightningModule):

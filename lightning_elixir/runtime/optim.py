@@ -174,16 +174,31 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
-def state_values_per_element(optimizers: list[Optimizer]) -> Optional[float]:
-    """How many values of optimizer state each trained element holds, in parameter-sized units, averaged
-    over ``optimizers``' trainable parameters (Adam: 2, SGD with momentum: 1, SGD without: 0, Adafactor:
-    a few per row and column of a matrix, one per element of a vector), for planning; None when some
-    class could not be measured.
+@dataclass(frozen=True)
+class StateFootprint:
+    """The optimizer state and step buffers of each trained element, in parameter-sized values, for
+    planning (``state_footprint``)."""
+
+    sharded: float
+    """State of the parameter's own shape (Adam's moments): sharded with the chunks, placed with them."""
+    whole: float = 0.0
+    """State of other shapes (a preconditioner, a factored moment's rows and columns): every rank holds all
+    of it, on the device ([Note: per-parameter optimizers] in per_parameter.py)."""
+    gathered: float = 0.0
+    """What the step gathers for one chunk at a time, per element of the chunk: a per-parameter optimizer's
+    masters, gradients and per-element state; Muon's update ([Note: Muon on shards] in whole.py)."""
+
+
+def state_footprint(optimizers: list[Optimizer]) -> Optional[StateFootprint]:
+    """How many values of optimizer state each trained element holds, averaged over ``optimizers``'
+    trainable parameters (Adam: 2 sharded, SGD with momentum: 1, SGD without: 0, Adafactor: a few per
+    row and column of a matrix, one per element of a vector; Shampoo: its preconditioners, whole), and
+    what the step gathers; None when some class could not be measured.
 
     Measured, not looked up: each param group's class is built anew with that group's hyperparameters
     over one 64 x 64 matrix (so factored state shows as such) for the group's matrices, and over one
     vector for its vectors, stepped once on the CPU, and its tensor state counted."""
-    total = values = 0.0
+    total = sharded = whole = gathered = 0.0
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             hyperparameters = {k: v for k, v in group.items() if k != "params"}
@@ -192,16 +207,24 @@ def state_values_per_element(optimizers: list[Optimizer]) -> Optional[float]:
                                  ((4096,), sum(p.numel() for p in trained if p.dim() <= 1))):
                 if not numel:
                     continue
-                per = _measured_states(type(optimizer), hyperparameters, shape)
-                if per is None:
+                measured = _measured_states(type(optimizer), hyperparameters, shape)
+                if measured is None:
                     return None
-                total, values = total + numel, values + per * numel
-    return values / total if total else 0.0
+                own, other = measured
+                total, sharded, whole = total + numel, sharded + own * numel, whole + other * numel
+                if is_per_parameter(type(optimizer)):
+                    gathered = max(gathered, 2.0 + own)  # masters, gradients, per-element state
+                elif is_muon(type(optimizer)):
+                    gathered = max(gathered, 1.0)  # the update
+    if not total:
+        return StateFootprint(0.0)
+    return StateFootprint(sharded / total, whole / total, gathered)
 
 
-def _measured_states(cls: type, hyperparameters: dict[str, Any], shape: tuple[int, ...]) -> Optional[float]:
-    """State values per element of one step of ``cls`` with ``hyperparameters`` on a parameter of ``shape``;
-    None if it cannot run so."""
+def _measured_states(cls: type, hyperparameters: dict[str, Any],
+                     shape: tuple[int, ...]) -> Optional[tuple[float, float]]:
+    """State values per element of one step of ``cls`` with ``hyperparameters`` on a parameter of ``shape``,
+    as (of the parameter's shape, of other shapes); None if it cannot run so."""
     probe = nn.Parameter(torch.linspace(-1.0, 1.0, math.prod(shape)).view(shape))
     probe.grad = torch.linspace(0.5, -0.5, probe.numel()).view(shape)
     hyperparameters = {k: v for k, v in hyperparameters.items() if k not in ("fused", "capturable")}
@@ -219,9 +242,11 @@ def _measured_states(cls: type, hyperparameters: dict[str, Any], shape: tuple[in
     except Exception as err:  # noqa: BLE001 (a class that needs other arguments or a GPU: not measured)
         log.debug("could not measure the state of %s", cls.__name__, exc_info=err)
         return None
-    held = sum(v.numel() * v.element_size() for v in optimizer.state[probe].values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return held / (probe.numel() * probe.element_size())
+    held = [v for v in optimizer.state[probe].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    size = probe.numel() * probe.element_size()
+    own = sum(v.numel() * v.element_size() for v in held if v.shape == probe.shape)
+    other = sum(v.numel() * v.element_size() for v in held if v.shape != probe.shape)
+    return own / size, other / size
 
 
 def clip_grad_norm_(runtime, max_norm: float, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> torch.Tensor:

@@ -201,7 +201,7 @@ def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, 
     """
     before = evaluate_plan(plan, model, hardware, options)
     activation_scale = 1.0
-    if measured.peak_bytes is not None and before.memory.activation_bytes > 0:
+    if measured.peak_bytes is not None and before.memory.activation_bytes > before.memory.step_gather_bytes:
         rest = before.memory.peak_bytes - before.memory.activation_bytes
         activation_scale = _clamp(_ratio(measured.peak_bytes - rest, before.memory.activation_bytes))
         model = scale_activations(model, activation_scale)

@@ -136,6 +136,10 @@ class MemoryBreakdown:
     """Pinned host memory for offloaded state and NVMe page buffers (not part of the device peak)."""
     nvme_bytes: int
     """NVMe space for offloaded state, file headers included (not part of the device peak)."""
+    whole_state_bytes: int = 0
+    """Optimizer state every rank holds whole (``SearchOptions.whole_state_bytes_per_numel``)."""
+    step_gather_bytes: int = 0
+    """What the optimizer step gathers for its largest chunk, after the activations are freed."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -149,9 +153,10 @@ class MemoryBreakdown:
 
     @property
     def fixed_bytes(self) -> int:
-        """Device bytes that do not depend on placement (before the margin)."""
-        return (self.param_shard_bytes + self.cache_bytes + self.private_bytes
-                + self.reduce_buffer_bytes + self.activation_bytes)
+        """Device bytes that do not depend on placement (before the margin): the larger of the activations
+        (forward and backward) and the step's gathers (after them) on top of what both see."""
+        return (self.param_shard_bytes + self.cache_bytes + self.private_bytes + self.reduce_buffer_bytes
+                + self.whole_state_bytes + max(self.activation_bytes, self.step_gather_bytes))
 
 
 def margin_bytes(subtotal_bytes: int, options: SearchOptions) -> int:
@@ -161,19 +166,28 @@ def margin_bytes(subtotal_bytes: int, options: SearchOptions) -> int:
 
 def fixed_device_bytes(layout: Layout, model: ModelProfile, blocks: int, options: SearchOptions,
                        aliased: bool = False) -> tuple[int, ...]:
-    """Device bytes the placement does not change: (param shards, cache, private, reduce buffers, activations).
+    """Device bytes the placement does not change: (param shards, cache, private, reduce buffers, whole
+    optimizer state, activations, the step's gathers); ``device_bytes`` adds them up.
 
     ``aliased``: one rank under a resident plan, whose shards are its blocks and whose gradients land
     in their shards ([Note: a world of one] in runtime/chunk.py): no blocks, no buffers beyond the shards.
     """
     per = state_bytes(model, options)
     shards = layout.total_numel // layout.world_size * per.param
+    whole = sum(p.numel for p in model.params if p.requires_grad) * options.whole_state_bytes_per_numel
+    gathered = layout.largest_chunk_numel * options.step_gather_bytes_per_numel
     if aliased:
-        return shards, 0, 0, 0, model.activation_peak_bytes
+        return shards, 0, 0, 0, whole, model.activation_peak_bytes, gathered
     cache = blocks * layout.chunk_numel * per.param
     private = sum(layout.chunks[i].numel for i in layout.private) * per.param
     buffers = options.reduce_buffers * layout.largest_chunk_numel * per.reduce
-    return shards, cache, private, buffers, model.activation_peak_bytes
+    return shards, cache, private, buffers, whole, model.activation_peak_bytes, gathered
+
+
+def device_bytes(fixed: tuple[int, ...]) -> int:
+    """The total of ``fixed_device_bytes``: the step's gathers come after the activations are freed."""
+    *together, activations, gathered = fixed
+    return sum(together) + max(activations, gathered)
 
 
 def is_aliased(layout: Layout, blocks: int, placements: tuple[str, ...]) -> bool:
@@ -208,5 +222,6 @@ def memory_breakdown(
     device_state = sum(n * per.state for n, p in zip(shard, placements) if p == "device")
     host, nvme = offloaded_bytes(shard, placements, per, options)
     fixed = fixed_device_bytes(layout, model, blocks, options, is_aliased(layout, blocks, placements))
-    margin = margin_bytes(sum(fixed) + device_state, options)
-    return MemoryBreakdown(fixed[0], device_state, *fixed[1:], margin, host, nvme)
+    shards, cache, private, buffers, whole, activations, gathered = fixed
+    return MemoryBreakdown(shards, device_state, cache, private, buffers, activations,
+                           margin_bytes(device_bytes(fixed) + device_state, options), host, nvme, whole, gathered)

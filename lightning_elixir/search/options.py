@@ -37,6 +37,14 @@ class SearchOptions:
     (32-true keeps one fp32 copy: the master IS the parameter shard)."""
     optimizer_bytes_per_numel: int = 8
     """Optimizer state bytes per element (AdamW: exp_avg and exp_avg_sq in fp32)."""
+    whole_state_bytes_per_numel: int = 0
+    """Optimizer state bytes per trained element that every rank holds whole, on the device, wherever the
+    chunk is placed: state not of its parameter's shape (Shampoo's preconditioners, Adafactor's rows and
+    columns)."""
+    step_gather_bytes_per_numel: int = 0
+    """Bytes per element of the largest chunk that the optimizer step gathers, one chunk at a time (a
+    per-parameter optimizer's masters, gradients and per-element state; Muon's update). Activations are
+    freed by then: the step's peak is the larger of the two."""
     grad_bytes_per_numel: int = 4
     """Bytes per element of the gradient shard (fp32, accumulated across micro-batches)."""
     reduce_in_fp32: bool = True
@@ -92,7 +100,8 @@ class SearchOptions:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"SearchOptions.{name} must be >= 1, got {getattr(self, name)}")
-        non_negative = ("optimizer_bytes_per_numel", "grad_bytes_per_numel", "margin_bytes", "reduce_buffers")
+        non_negative = ("optimizer_bytes_per_numel", "whole_state_bytes_per_numel", "step_gather_bytes_per_numel",
+                        "grad_bytes_per_numel", "margin_bytes", "reduce_buffers")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"SearchOptions.{name} must be >= 0, got {getattr(self, name)}")

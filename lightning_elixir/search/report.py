@@ -172,7 +172,10 @@ class SearchReport:
             f"peak {format_bytes(m.peak_bytes)}: shards {format_bytes(m.param_shard_bytes)}, "
             f"state {format_bytes(m.device_state_bytes)}, cache {format_bytes(m.cache_bytes)}, "
             f"private {format_bytes(m.private_bytes)}, reduce buffers {format_bytes(m.reduce_buffer_bytes)}, "
-            f"activations {format_bytes(m.activation_bytes)}, margin {format_bytes(m.margin_bytes)}",
+            f"activations {format_bytes(m.activation_bytes)}, "
+            + (f"optimizer state held whole {format_bytes(m.whole_state_bytes)}, " if m.whole_state_bytes else "")
+            + (f"gathered at the step {format_bytes(m.step_gather_bytes)}, " if m.step_gather_bytes else "")
+            + f"margin {format_bytes(m.margin_bytes)}",
         ]
         lines += [f"  {i}. {cand.describe()}{self._overruled(cand)}" for i, cand in enumerate(self.candidates, 1)]
         return "\n".join(lines)

@@ -39,7 +39,7 @@ from lightning_elixir.search.cost import (ChunkTimes, CostBreakdown, PlacementCo
                                           placement_cost, reduce_schedule, step_cost, timeline)
 from lightning_elixir.search.errors import no_plan_fits, nvme_usable
 from lightning_elixir.search.layout import Layout, access_chunks, build_layout, candidate_chunk_numels
-from lightning_elixir.search.memory import fixed_device_bytes, margin_bytes, memory_breakdown, state_bytes
+from lightning_elixir.search.memory import device_bytes, fixed_device_bytes, margin_bytes, memory_breakdown, state_bytes
 from lightning_elixir.search.options import SearchOptions, dtype_bytes
 from lightning_elixir.search.placement import Rung, placement_ladder
 from lightning_elixir.search.report import Candidate, LayoutSummary, SearchReport, format_bytes, format_ms
@@ -185,8 +185,8 @@ def _candidates(spaces: list[_Space], model: ModelProfile, hardware: HardwarePro
     comm_overlap, host_hides = hardware.comm_overlap, hides_host_work(hardware)
     for space in spaces:
         for blocks in space.blocks:
-            fixed = {resident: sum(fixed_device_bytes(space.layout, model, blocks, options,
-                                                      aliased=resident and space.layout.world_size == 1))
+            fixed = {resident: device_bytes(fixed_device_bytes(space.layout, model, blocks, options,
+                                                               aliased=resident and space.layout.world_size == 1))
                      for resident in (False, True)}
             first = _first_fitting_rung(space, blocks, fixed, budget_bytes, options)
             if first is None:
@@ -332,7 +332,8 @@ def _offload_reason(best: _Evaluated, fastest: _Evaluated, model: ModelProfile, 
 def _all_device_peak(space: _Space, model: ModelProfile, blocks: int, options: SearchOptions) -> int:
     """The device peak of this chunk size with ``blocks`` cache blocks and every chunk's state on the device."""
     aliased = space.layout.world_size == 1 and _resident(space, blocks, 0)
-    subtotal = sum(fixed_device_bytes(space.layout, model, blocks, options, aliased)) + space.ladder[0].device_state_bytes
+    subtotal = (device_bytes(fixed_device_bytes(space.layout, model, blocks, options, aliased))
+                + space.ladder[0].device_state_bytes)
     return subtotal + margin_bytes(subtotal, options)
 
 
@@ -357,7 +358,8 @@ def _least_host_floor_s(e: _Evaluated, model: ModelProfile, budget_bytes: int, o
     """Host floor of the least-offloaded rung that fits, for this candidate's layout and cache (every
     fitting rung above it offloads more, so its floor is no lower)."""
     blocks, layout = e.candidate.cache_blocks, e.space.layout
-    fixed = {resident: sum(fixed_device_bytes(layout, model, blocks, options, resident and layout.world_size == 1))
+    fixed = {resident: device_bytes(fixed_device_bytes(layout, model, blocks, options,
+                                                       resident and layout.world_size == 1))
              for resident in (False, True)}
     first = _first_fitting_rung(e.space, blocks, fixed, budget_bytes, options)
     return host_floor_s(e.space.rung_costs[first], host_hides)

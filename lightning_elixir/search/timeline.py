@@ -85,7 +85,7 @@ def predict_timeline(
         cached = cached_chunks(list(needs), len(layout.chunks), blocks, depth, m)
     # (index in the replayed step, index in the micro-batch) of each access that acquires public chunks.
     positions = [(i * len(needs) + p, p) for i in range(m) for p, need in enumerate(needs) if need]
-    shards, _, private, _, _ = fixed_device_bytes(layout, model, 0, options, alias)
+    shards, _, private, _, whole, _, _ = fixed_device_bytes(layout, model, 0, options, alias)
     block = 0 if alias else per.param
     grad_shards, optimizer = _resident_state_bytes(layout, model, per, rank)
     reduce = [0] * (len(model.accesses) + 1) if alias else _reduce_buffer_bytes(layout, model, per)
@@ -95,7 +95,7 @@ def predict_timeline(
         params_bytes=tuple(shards + private + sum(layout.chunks[c].numel for c in cached[i]) * block
                            for i, _ in positions),
         grads_bytes=tuple(grad_shards + reduce[p] for _, p in positions),
-        optimizer_bytes=(optimizer,) * len(positions),
+        optimizer_bytes=(optimizer + whole,) * len(positions),
         activation_bytes=tuple(live[p] for _, p in positions),
         budget_bytes=budget_bytes,
         micro_batches=m,

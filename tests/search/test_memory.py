@@ -29,6 +29,24 @@ def test_all_on_device_in_bf16():
     assert m.host_bytes == m.nvme_bytes == 0
 
 
+def test_state_held_whole_counts_every_trained_element_and_the_steps_gathers_follow_the_activations():
+    # A per-parameter optimizer: Adam's moments sharded (8 B), a preconditioner of 4 B per element held
+    # whole by both ranks wherever the chunk is, and a step that gathers 16 B per element of a chunk.
+    model = chain_profile([[100], [100]], activation_bytes=1000)
+    layout = build_layout(model, 100, 2)
+    options = dataclasses.replace(OPTIONS, whole_state_bytes_per_numel=4, step_gather_bytes_per_numel=16)
+    base = memory_breakdown(layout, model, 2, ("device", "cpu"), OPTIONS)
+    m = memory_breakdown(layout, model, 2, ("device", "cpu"), options)
+    assert m.whole_state_bytes == 200 * 4  # both parameters whole, not a shard's 100 elements
+    assert m.step_gather_bytes == 100 * 16  # the largest chunk
+    assert m.device_state_bytes == base.device_state_bytes and m.host_bytes == base.host_bytes
+    assert m.fixed_bytes == base.fixed_bytes + 800 + (1600 - 1000)  # the step's gathers replace the activations
+    assert m.peak_bytes == (m.fixed_bytes + m.device_state_bytes) * 105 // 100
+    smaller = memory_breakdown(layout, model, 2, ("device", "cpu"),
+                               dataclasses.replace(options, step_gather_bytes_per_numel=4))
+    assert smaller.fixed_bytes == base.fixed_bytes + 800  # 400 B gathered while 1000 B of activations were freed
+
+
 def test_offloading_moves_state_off_the_device():
     model = chain_profile([[100], [100]], activation_bytes=1000)
     layout = build_layout(model, 100, 2)
