@@ -150,7 +150,10 @@ def save_sharded_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath:
     _check_unedited(checkpoint)
     tmp = strategy.broadcast(os.path.join(parent, temp_name()))
     extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    save_sharded(strategy.runtime, strategy.optimizers, tmp, extra)
+    # Lightning leaves "optimizer_states" out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True),
+    # trainer.save_checkpoint(weights_only=True)): save the model only, as DDP's file holds it.
+    weights_only = "optimizer_states" not in checkpoint
+    save_sharded(strategy.runtime, [] if weights_only else strategy.optimizers, tmp, extra, weights_only=weights_only)
     strategy.barrier()
     if strategy.is_global_zero:
         replace_dir(tmp, path.removeprefix("file://"))
@@ -208,6 +211,8 @@ def sharded_checkpoint_for_hooks(meta: dict[str, Any], stored: Any, fitting: boo
         state_dict[key] = StoredInShards(key, shape, entry.properties.dtype)
     optimizer_states = [{"state": OptimizerStateInShards(), "param_groups": copy.deepcopy(o["param_groups"])}
                         for o in meta["optimizers"]] if fitting else []
+    if meta.get("weights_only"):  # no optimizer state, so that a resume fails with Lightning's own error, as with DDP's
+        return {**meta["extra"], "state_dict": state_dict}
     return {**meta["extra"], "state_dict": state_dict, "optimizer_states": optimizer_states}
 
 

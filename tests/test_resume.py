@@ -329,3 +329,27 @@ def test_resume_at_another_world_size_or_plan(request, uninterrupted, change, fm
     for key, value in expected["state_dict"].items():
         torch.testing.assert_close(end["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)
     assert end["lr_schedulers"] == expected["lr_schedulers"] and end["epoch"] == expected["epoch"]
+
+
+def test_a_weights_only_sharded_checkpoint_holds_no_optimizer_state_and_refuses_a_resume_as_ddp_does(tmp_path):
+    """ModelCheckpoint(save_weights_only=True) with state_dict_type="sharded": the directory holds the model
+    only, as DDP's file does: converted, it has no optimizer or scheduler state, and a fit resumed from it
+    fails with Lightning's own error instead of silently restoring an optimizer state it was told not to keep."""
+    def fit_weights_only(ckpt_path=None):
+        os.environ["MASTER_PORT"] = str(free_port())
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=EVERY_N,
+                                      save_top_k=-1, save_weights_only=True)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=EVERY_N, logger=False,
+                            strategy=ElixirStrategy(plan=ZERO3, state_dict_type="sharded"),
+                            use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=True, callbacks=[checkpoints], default_root_dir=tmp_path)
+        trainer.fit(TinyGPT(seed=0), ckpt_path=ckpt_path)
+
+    fit_weights_only()
+    saved = tmp_path / "ckpt" / f"step={EVERY_N}.ckpt"
+    convert_sharded_to_full(saved, tmp_path / "full.ckpt")
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert "optimizer_states" not in full and "lr_schedulers" not in full
+    assert set(full["state_dict"]) == set(TinyGPT(seed=0).state_dict())
+    with pytest.raises(KeyError, match="contains only the model"):
+        fit_weights_only(ckpt_path=saved)

@@ -104,7 +104,8 @@ def _is_nvme(chunk: Chunk) -> bool:
 
 # ---- save -------------------------------------------------------------------------------------------
 
-def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra: Optional[dict] = None) -> None:
+def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra: Optional[dict] = None,
+                 weights_only: bool = False) -> None:
     """Write a sharded checkpoint of the model, its buffers and ``optimizers``; every rank calls it.
 
     Each rank writes its own pieces, in parallel; device and host masters are written from where
@@ -116,6 +117,8 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
         optimizers: optimizers set up by ``shard_optimizer`` on this runtime.
         path: the checkpoint directory (created; a checkpoint in it is replaced).
         extra: picklable metadata kept as is (Lightning's epoch, loops, callbacks, hyperparameters).
+        weights_only: the model only (pass no optimizers): loading and ``convert`` then give no optimizer states,
+            as Lightning's weights-only checkpoint has none.
     """
     path = os.fspath(path)
     runtime.offload.settle()
@@ -131,6 +134,8 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
     if runtime.group.rank == 0:
         tensors.update({f"model.{k}": v.detach() for k, v in _buffers(runtime).items()})
     meta = _describe(runtime, states, entries, whole, extra or {})
+    if weights_only:
+        meta["weights_only"] = True
     os.makedirs(path, exist_ok=True)
     with _quiet_dcp():
         dcp.save(tensors, storage_writer=_Writer(path, meta), process_group=runtime.group.pg,
@@ -446,9 +451,10 @@ def convert_sharded_to_full(path: PathLike, out_file: PathLike) -> None:
     with _quiet_dcp():
         dcp.load(tensors, storage_reader=FileSystemReader(os.fspath(path)), no_dist=True)
     extra = dict(meta["extra"])
-    full = {"state_dict": dict(_full_model(meta, tensors)),
-            "optimizer_states": [_full_optimizer(saved, meta["shapes"], tensors, k)
-                                 for k, saved in enumerate(meta["optimizers"])]}
+    full = {"state_dict": dict(_full_model(meta, tensors))}
+    if not meta.get("weights_only"):  # a weights-only save has no optimizer states, as Lightning's file has none
+        full["optimizer_states"] = [_full_optimizer(saved, meta["shapes"], tensors, k)
+                                    for k, saved in enumerate(meta["optimizers"])]
     average = extra.pop(AVERAGE_IN_STATE_DICT, None)
     if average is not None:  # Lightning's WeightAveraging layout: the average is the state dict
         averaging = dict(extra.get("averaging_state", {}))
