@@ -209,10 +209,10 @@ def sharded_checkpoint_for_hooks(meta: dict[str, Any], stored: Any, fitting: boo
             continue
         shape = shapes.get(name, tuple(getattr(entry, "size", ())))
         state_dict[key] = StoredInShards(key, shape, entry.properties.dtype)
-    optimizer_states = [{"state": OptimizerStateInShards(), "param_groups": copy.deepcopy(o["param_groups"])}
-                        for o in meta["optimizers"]] if fitting else []
     if meta.get("weights_only"):  # no optimizer state, so that a resume fails with Lightning's own error, as with DDP's
         return {**meta["extra"], "state_dict": state_dict}
+    optimizer_states = [{"state": OptimizerStateInShards(), "param_groups": copy.deepcopy(o["param_groups"])}
+                        for o in meta["optimizers"]] if fitting else []
     return {**meta["extra"], "state_dict": state_dict, "optimizer_states": optimizer_states}
 
 
