@@ -405,7 +405,18 @@ class StepProtocol:
         return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
     def _hook_pre_backward(self, output: Any, fire: Callable[[], Any]) -> None:
-        """``fire()`` once per backward, when the first gradient reaches any of ``output``'s tensors."""
+        """``fire()`` once per backward, when the first gradient reaches any of ``output``'s tensors.
+
+        [Note: outputs written in place]
+        A tensor hook belongs to the node that made the tensor when it was registered. Code after the
+        module may write into its output in place (wav2vec2's SpecAugment sets masked frames to a learned
+        embedding): a plain tensor keeps its node in the graph, below the write's, and the hook fires as
+        before. A view does not: writing into it rewrites its base's history (the write's node takes the
+        base's place) and the view's own node leaves the graph, with its hook. ``nn.Linear`` on a contiguous
+        3-D input returns such a view (of its 2-D matmul), so its weight's chunk was never gathered for its
+        backward. The base's node stays in the graph below the write, so a view's base is hooked as well:
+        in an unwritten graph its gradient arrives after the view's, and the hook fires only once.
+        """
         flat = [output] if type(output) is torch.Tensor else tree_flatten(output)[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
@@ -420,6 +431,9 @@ class StepProtocol:
 
         for t in tensors:
             t.register_hook(hook)
+            base = t._base if t._is_view() else None
+            if base is not None and base.grad_fn is not None:  # [Note: outputs written in place]
+                base.register_hook(hook)
 
     # ---- backward ---------------------------------------------------------------------------------
 

@@ -72,6 +72,27 @@ class Norms(nn.Module):
         return self.b(torch.relu(self.bn(self.a(x))))
 
 
+class MaskedFrames(nn.Module):
+    """wav2vec2's SpecAugment: frames of a projection's output overwritten in place by a learned embedding.
+    On a contiguous 3-D input, ``nn.Linear`` returns a view of its matmul's 2-D result, so the write
+    replaces the view's place in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 16)
+        self.embed = nn.Parameter(torch.rand(16))
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.proj(self.norm(x.view(2, 3, 8)))
+        mask = torch.zeros(2, 3, dtype=torch.bool)
+        mask[:, 1] = True
+        h[mask] = self.embed
+        return self.out(self.layers(h)).view(6, 8)
+
+
 def _batch(model: nn.Module, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     if isinstance(model, TiedHead):
@@ -127,6 +148,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], bool, bool]] = {
     "attention": (Attention, False, False),
     "tied-head+penalty": (TiedHead, True, False),
     "batchnorm+clamp": (Norms, False, True),
+    "written-view-output": (MaskedFrames, False, False),
 }
 
 
