@@ -115,7 +115,12 @@ def profile_model(
     tracer = StepTracer(table, hardware)
     start_s = time.perf_counter()
     settings = _Settings(compute_dtype, device, param_dtype, backward, configured)
-    assumed = _trace(module, batch, step_fn, tracer, settings)
+    try:
+        assumed = _trace(module, batch, step_fn, tracer, settings)
+    except _FailedOnAssumption as failed:
+        tracer = StepTracer(table, hardware)
+        _trace_opposite_or_raise(module, batch, step_fn, tracer, settings, failed)
+        assumed = False  # one trace ran: nothing to compare it with
     profile = _assemble(table, tracer, tracer.finish(), compute_dtype)
     if assumed:
         profile = _with_conditional(profile, table, _value_dependent(module, batch, step_fn, table, settings, profile))
@@ -155,6 +160,30 @@ class _Settings:
     backward: bool
     configured: tuple[list[Any], list[Any]] | None = None
     """What ``configure_optimizers`` returned, already made (``StepStandIns``)."""
+
+
+class _FailedOnAssumption(Exception):
+    """The step raised after the trace had assumed values (its ``__cause__``)."""
+
+
+def _trace_opposite_or_raise(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer,
+                             settings: _Settings, failed: _FailedOnAssumption) -> None:
+    """Trace the step with the opposite assumptions after it failed on the first; raise the first failure
+    if this one fails too.
+
+    [Note: checks of the data]
+    A step may check its data: ``assert (ids >= 0).all().item()`` (ProphetNet's shift of the labels), or
+    ``if not torch.isfinite(x).all(): raise``. On fake tensors the answer is assumed, and the first trace
+    reads unknown booleans as False, so such a check fails there, and the plan fell back to the
+    default. Read as True the check passes: that trace is the profile. With one trace only, nothing
+    tells which modules' calls depend on values; the runtime's check names any that do
+    ([Note: silent divergence] in runtime/collectives.py).
+    """
+    try:
+        _trace(module, batch, step_fn, tracer, settings, opposite=True)
+    except Exception:  # noqa: BLE001 - the first failure is the one to report
+        raise failed.__cause__ from None
+    log.debug("the step failed on assumed values (%r); traced with the opposite assumptions", failed.__cause__)
 
 
 def _value_dependent(module: nn.Module, batch: Any, step_fn: StepFn, table: ParamTable, settings: _Settings,
@@ -208,6 +237,12 @@ def _trace(module: nn.Module, batch: Any, step_fn: StepFn, tracer: StepTracer, s
             except DynamicOutputShapeException as err:
                 raise ProfileError(f"the step calls {err.func}, whose output shape depends on tensor values the "
                                    "trace cannot bound; pass a step_fn without it") from err
+            except ProfileError:  # the trace's own verdict (a loop that never ends on assumed values)
+                raise
+            except Exception as err:
+                if values.assumed and not opposite:  # [Note: checks of the data]
+                    raise _FailedOnAssumption() from err
+                raise
     return values.assumed
 
 

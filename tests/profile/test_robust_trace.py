@@ -408,6 +408,39 @@ def test_value_reads_that_change_no_module_call_find_no_conditional_modules(modu
     assert profile_model(module_class(), _batch()).conditional_params == ()
 
 
+class ChecksItsData(Classifier):
+    """A check of the data on a value the trace cannot know (ProphetNet's shift asserts its labels are
+    non-negative), and a step that cannot run when the check fails the other way."""
+
+    def __init__(self, check: str) -> None:
+        super().__init__()
+        self.check = check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check == "assert":
+            assert torch.all(x > -1e4).item(), "inputs out of range"
+        elif self.check == "raise":
+            if not torch.isfinite(x).all():
+                raise ValueError("non-finite inputs")
+        elif self.check == "both ways":  # fails whatever the trace assumes: the first failure is reported
+            if (x.sum() > 0).item():
+                raise RuntimeError("read True")
+            raise ValueError("read False")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("check", ["assert", "raise"])
+def test_a_check_of_the_data_that_fails_on_an_assumed_answer_is_traced_with_the_opposite_one(check):
+    profile = _check(ChecksItsData(check))
+    assert any("head.weight" in a.params for a in profile.accesses if a.phase == "backward")
+    assert profile.conditional_params == ()
+
+
+def test_a_step_that_fails_on_either_answer_raises_its_first_failure():
+    with pytest.raises(ValueError, match="read False"):
+        profile_model(ChecksItsData("both ways"), _batch())
+
+
 class GroupedExperts(Classifier):
     """Experts as one 3-D parameter multiplied with torch's grouped matmul, in fp32 (Hugging Face's
     mixture-of-experts layers on a CPU): torch's meta kernel of the operator accepts bf16 only."""
