@@ -13,8 +13,12 @@ _UNITS = {
     "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*|%)\s*$")
-_ACCEPTED = ('bytes as an int, a fraction of device memory in (0, 1] as a float, '
-             'or a string like "40GiB", "40GB", "40G", "80%"')
+
+
+def _accepted(name: str) -> str:
+    """The forms a limit takes, for errors."""
+    return (f'bytes as an int, a fraction of {_owner(name)} memory in (0, 1] as a float, '
+            'or a string like "40GiB", "40GB", "40G", "80%"')
 
 
 def parse_memory_limit(limit: Union[int, float, str], device_total_bytes: int,
@@ -66,7 +70,7 @@ _ANY_DEVICE_BYTES = 1 << 60
 def _to_bytes(limit: Union[int, float, str], device_total_bytes: int, name: str) -> int:
     """Bytes from an int, a fraction or a string, before range checks."""
     if isinstance(limit, bool):
-        raise ValueError(f"{name} must be {_ACCEPTED}; got {limit!r}")
+        raise ValueError(f"{name} must be {_accepted(name)}; got {limit!r}")
     if isinstance(limit, int):
         return limit
     if isinstance(limit, float):
@@ -75,7 +79,7 @@ def _to_bytes(limit: Union[int, float, str], device_total_bytes: int, name: str)
         return int(limit * device_total_bytes)
     if isinstance(limit, str):
         return _parse_string(limit, device_total_bytes, name)
-    raise ValueError(f"{name} must be {_ACCEPTED}; got {type(limit).__name__}")
+    raise ValueError(f"{name} must be {_accepted(name)}; got {type(limit).__name__}")
 
 
 def _owner(name: str) -> str:
@@ -87,7 +91,7 @@ def _parse_string(text: str, device_total_bytes: int, name: str) -> int:
     """Bytes from a string with a unit, a percentage, or a bare number."""
     match = _PATTERN.match(text)
     if match is None or match.group(2).lower() not in {"", "%", *_UNITS}:
-        raise ValueError(f"cannot read {name} {text!r}; use {_ACCEPTED}")
+        raise ValueError(f"cannot read {name} {text!r}; use {_accepted(name)}")
     number, unit = match.group(1), match.group(2).lower()
     value = float(number)
     if unit == "%":

@@ -38,3 +38,10 @@ def test_rejected_forms(limit):
 def test_more_than_the_device_is_an_error_that_says_so():
     with pytest.raises(ValueError, match="exceeds the device"):
         parse_memory_limit("100GiB", TOTAL)
+
+
+@pytest.mark.parametrize("limit", ["-3GiB", 1.5, [1]])
+def test_a_host_limit_is_explained_as_host_memory(limit):
+    with pytest.raises(ValueError, match="fraction of host memory") as refused:
+        parse_memory_limit(limit, TOTAL, name="host_memory_limit")
+    assert "device" not in str(refused.value)
