@@ -40,12 +40,13 @@ What it costs: each step gathers (2 + the per-element state tensors) x the train
 bytes, and every rank computes every update, where an element-wise optimizer's step gathers nothing
 and computes only this rank's shard. On the host: the reduced gradient shard is gathered as it is
 (the members' gradients are its slices, unless code assigned others) and this rank's master shard goes
-back in one copy; the per-element state is copied per parameter, into the gathered buffers and back. It is the general fallback, not the fast path. Offloaded
-chunks update here too (their gathered values are on the device; the kept slices go back to the host),
-and their compute shards are refreshed after; chunks on NVMe are refused. An optimizer that mixes
-parameters within its step (LBFGS flattens them all; timm's LAMB with ``max_grad_norm`` clips by
-the norm over every parameter; D-Adaptation and Prodigy sum over all of them) is not per-parameter:
-run on one chunk at a time it would see part of the model, so it must not be declared.
+back in one copy; the per-element state is copied per parameter, into the gathered buffers and back.
+It is the general fallback, not the fast path. Offloaded chunks update here too (their gathered values
+are on the device; the kept slices go back to the host), and their compute shards are refreshed after;
+chunks on NVMe are refused. An optimizer that mixes parameters within its step (LBFGS flattens them
+all; timm's LAMB with ``max_grad_norm`` clips by the norm over every parameter; D-Adaptation and
+Prodigy sum over all of them) is not per-parameter: run on one chunk at a time it would see part of
+the model, so it must not be declared.
 """
 
 from __future__ import annotations
@@ -160,8 +161,7 @@ class _PerParameterStep:
                                if k in full and is_per_element(k, v, view.shape, held) else v) for k, v in own.items()})
             params.append(param)
         updated = self._run([(group, param) for (group, _, _), param in zip(members, params)], states)
-        at, size = masters.data_ptr(), masters.element_size()
-        in_place = all(param.data_ptr() == at + slot.offset * size for param, slot in zip(params, slots))
+        in_place = all(_lies_at(param, masters, slot.offset) for param, slot in zip(params, slots))
         if in_place:  # the step updated the parameters where they lie: this rank's shard goes back in one copy
             chunk.master.copy_(masters[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel])
         for (_, i, view), slot, param, values in zip(members, slots, params, updated):
@@ -191,13 +191,9 @@ class _PerParameterStep:
     def _grads_in_shard(chunk: Any, members: list, slots: list) -> bool:
         """Whether the members' gradients are their slices of the chunk's reduced gradient shard (as after a
         backward on the device), so that the shard is gathered as it is."""
-        shard = chunk.grad_shard
-        at, size = shard.data_ptr(), shard.element_size()
         for (_, _, view), slot in zip(members, slots):
             begin, end = chunk.shard_range(slot)
-            grad = view.grad
-            if begin < end and (grad is None or grad.dtype != shard.dtype or grad.device != shard.device
-                                or grad.data_ptr() != at + begin * size):
+            if begin < end and (view.grad is None or not _lies_at(view.grad, chunk.grad_shard, begin)):
                 return False
         return True
 
@@ -248,3 +244,9 @@ class _PerParameterStep:
             for group, params in zip(optimizer.param_groups, held):
                 group["params"] = params
             optimizer.state = own_state
+
+
+def _lies_at(tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> bool:
+    """Whether ``tensor`` starts ``offset`` elements into ``buffer``, in its dtype and on its device."""
+    return (tensor.dtype == buffer.dtype and tensor.device == buffer.device
+            and tensor.data_ptr() == buffer.data_ptr() + offset * buffer.element_size())
