@@ -86,11 +86,10 @@ def _components(m: MemoryBreakdown) -> str:
     parts = (("activations", m.activation_bytes), ("parameter shards", m.param_shard_bytes),
              ("cache blocks", m.cache_bytes), ("private chunks", m.private_bytes),
              ("gradient reduce buffers", m.reduce_buffer_bytes),
-             ("sharded state left on the device", m.device_state_bytes),
-             ("optimizer state held whole", m.whole_state_bytes), ("gathered at the step", m.step_gather_bytes),
-             ("margin", m.margin_bytes))
-    return ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in parts
-                     if nbytes or name not in ("optimizer state held whole", "gathered at the step"))
+             ("sharded state left on the device", m.device_state_bytes))
+    optimizer = (("optimizer state held whole", m.whole_state_bytes), ("gathered at the step", m.step_gather_bytes))
+    parts += tuple((name, nbytes) for name, nbytes in optimizer if nbytes) + (("margin", m.margin_bytes),)
+    return ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in parts)
 
 
 def _levers(frugal: Frugal, model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,

@@ -155,8 +155,8 @@ class MemoryBreakdown:
     def fixed_bytes(self) -> int:
         """Device bytes that do not depend on placement (before the margin): the larger of the activations
         (forward and backward) and the step's gathers (after them) on top of what both see."""
-        return (self.param_shard_bytes + self.cache_bytes + self.private_bytes + self.reduce_buffer_bytes
-                + self.whole_state_bytes + max(self.activation_bytes, self.step_gather_bytes))
+        return device_bytes((self.param_shard_bytes, self.cache_bytes, self.private_bytes, self.reduce_buffer_bytes,
+                             self.whole_state_bytes, self.activation_bytes, self.step_gather_bytes))
 
 
 def margin_bytes(subtotal_bytes: int, options: SearchOptions) -> int:
