@@ -153,7 +153,7 @@ def save_sharded_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath:
     # Lightning leaves "optimizer_states" out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True),
     # trainer.save_checkpoint(weights_only=True)): save the model only, as DDP's file holds it.
     weights_only = "optimizer_states" not in checkpoint
-    save_sharded(strategy.runtime, [] if weights_only else strategy.optimizers, tmp, extra, weights_only=weights_only)
+    save_sharded(strategy.runtime, strategy.optimizers, tmp, extra, weights_only=weights_only)
     strategy.barrier()
     if strategy.is_global_zero:
         replace_dir(tmp, path.removeprefix("file://"))

@@ -117,10 +117,11 @@ def save_sharded(runtime, optimizers: Sequence[Optimizer], path: PathLike, extra
         optimizers: optimizers set up by ``shard_optimizer`` on this runtime.
         path: the checkpoint directory (created; a checkpoint in it is replaced).
         extra: picklable metadata kept as is (Lightning's epoch, loops, callbacks, hyperparameters).
-        weights_only: the model only (pass no optimizers): loading and ``convert`` then give no optimizer states,
-            as Lightning's weights-only checkpoint has none.
+        weights_only: the model only (``optimizers`` are not saved): loading and ``convert`` then give no
+            optimizer states, as Lightning's weights-only checkpoint has none.
     """
     path = os.fspath(path)
+    optimizers = () if weights_only else optimizers
     runtime.offload.settle()
     for optimizer in optimizers:
         agree_scalar_state(runtime, optimizer)
