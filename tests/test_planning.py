@@ -247,16 +247,25 @@ class _SgdWithoutDefaultLr(torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=0.9)
 
 
+def _plan_gpt(model, budget, states=None, **more):
+    """plan='auto' of the GPT in one process at ``budget`` bytes, its optimizer priced at ``states`` (None: Adam)."""
+    return plan_automatically(model, _batch(), memory_limit=budget, optimizer_states=states, device=torch.device("cpu"),
+                              group=Group.default(), compute_dtype=torch.float32, autocast_dtype=None,
+                              micro_batches=1, step_fn=_step, **more)
+
+
+def _least_all_device(model, states=None):
+    """The least budget at which every chunk's state stays on the device."""
+    with pytest.raises(NoPlanFitsError) as device_only:
+        _plan_gpt(model, 1 << 20, states, offload=OffloadSettings(allow_cpu=False))
+    return device_only.value.min_device_bytes
+
+
 def _plan_for_sgd(optimizer_states):
     """plan='auto' of the GPT, with the budget one byte below the least all-device plan priced as Adam."""
-    settings = dict(device=torch.device("cpu"), group=Group.default(), compute_dtype=torch.float32,
-                    autocast_dtype=None, micro_batches=1, step_fn=_step)
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    with pytest.raises(NoPlanFitsError) as device_only:
-        plan_automatically(model, _batch(), memory_limit=1 << 20, offload=OffloadSettings(allow_cpu=False), **settings)
-    return model, plan_automatically(model, _batch(), memory_limit=device_only.value.min_device_bytes - 1,
-                                     optimizer_states=optimizer_states, **settings)
+    return model, _plan_gpt(model, _least_all_device(model) - 1, optimizer_states)
 
 
 def test_a_plan_priced_for_sgd_keeps_on_the_device_what_adams_price_offloads_and_counts_its_state():
@@ -277,23 +286,12 @@ def test_state_held_whole_and_the_steps_gathers_are_in_the_predicted_peak():
     """A per-parameter optimizer's state of other shapes is held whole by every rank, and its step gathers a
     chunk's masters, gradients and moments: both are in the peak, so where Adam's price keeps every chunk's
     state on the device, the real price offloads some."""
-    settings = dict(device=torch.device("cpu"), group=Group.default(), compute_dtype=torch.float32,
-                    autocast_dtype=None, micro_batches=1, step_fn=_step)
     torch.manual_seed(0)
     model, heavy = GPT(CONFIG), StateFootprint(2.0, 1.0, 2.0)
-
-    def plan(states, budget, **more):
-        return plan_automatically(model, _batch(), memory_limit=budget, optimizer_states=states, **settings, **more)
-
-    def least_all_device(states):
-        with pytest.raises(NoPlanFitsError) as device_only:
-            plan(states, 1 << 20, offload=OffloadSettings(allow_cpu=False))
-        return device_only.value.min_device_bytes
-
-    least_adam, least_heavy = least_all_device(None), least_all_device(heavy)
+    least_adam, least_heavy = _least_all_device(model), _least_all_device(model, heavy)
     assert least_heavy > least_adam
     budget = least_heavy - 1
-    adam, real = plan(None, budget), plan(heavy, budget)
+    adam, real = _plan_gpt(model, budget), _plan_gpt(model, budget, heavy)
     memory = real.report.memory
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert memory.whole_state_bytes == trained * 4 and memory.step_gather_bytes > memory.activation_bytes
