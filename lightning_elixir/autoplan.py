@@ -27,8 +27,9 @@ and the optimizers hold the module's parameters, which keep their identity when 
 changes, not the object). The planning trace of a manually optimizing step hands those objects to its
 ``self.optimizers()`` (``StepStandIns``), where it used to call ``configure_optimizers`` again.
 
-``optim.state_footprint`` measures each param group's state by building its class anew over a 64 x 64
-matrix (and a vector, for the group's vectors) and stepping it once on the CPU. State of the
+``optim.state_footprint`` measures each param group's state by building its class anew over a parameter
+of each shape the group trains and stepping it once on fake tensors (a step that needs values, on a
+real 64 x 64 matrix and a vector on the CPU). State of the
 parameter's shape is sharded with its chunk and placed with it; state of any other shape (Shampoo's
 preconditioners, Adafactor's rows and columns) is held whole by every rank on the device, so it is
 priced per trained element of the whole model, not of a shard (at 4 ranks, a quarter of it would be
@@ -38,8 +39,8 @@ priced after the activations are freed: the peak is the larger of the two. Not p
 on the meta device (``configure_model``; its parameters are replaced when chunked, so its optimizers
 are configured after), and a class that cannot be built from its param groups alone or step on the
 CPU (8-bit optimizers that need a GPU): those keep Adam's price, as does a stage that does not fit.
-The probe's square matrix stands for every matrix: a preconditioner per side of a tall matrix holds
-more per element than a square one's.
+Where the real probe stands in, its square matrix stands for every matrix (a factored moment's rows and
+columns, per element, are then those of a 64 x 64 matrix: a few percent of one value, either way).
 """
 
 from __future__ import annotations

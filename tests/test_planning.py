@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elixir.demos.gpt import GPT, BigramDataModule, GPTConfig, GPTLightningModule
-from lightning_elixir import ElixirPlan, ElixirStrategy
+from lightning_elixir import ElixirPlan, ElixirStrategy, per_parameter_optimizer
 from lightning_elixir import planner
 from lightning_elixir.planner import OffloadSettings, budget_bytes, plan_automatically
 from lightning_elixir.profile import profile_model
@@ -240,6 +240,51 @@ def test_optimizer_state_is_measured_per_group_and_unmeasurable_classes_are_none
     assert sharded(_SgdWithoutDefaultLr([matrix], 0.1)) == 1.0  # lr given again, by name
     assert state_footprint([]) == StateFootprint(0.0)  # configure_optimizers returned None: nothing to keep
     assert state_footprint([torch.optim.LBFGS([matrix])]) is None  # needs a closure
+
+
+def test_state_of_other_shapes_is_measured_at_each_parameters_own_shape():
+    """A preconditioner per side of a matrix holds rows^2 + columns^2 values: of a tall matrix, many per
+    element, all held whole. Measured at the parameter's shape (on fake tensors: a large one costs no
+    memory), not at a square stand-in's, where both would have the parameter's shape and pass as sharded."""
+    from lightning_elixir.runtime.optim import StateFootprint, state_footprint
+
+    tall, vector = torch.nn.Parameter(torch.zeros(300, 10)), torch.nn.Parameter(torch.zeros(10))
+    assert state_footprint([_Shampoo([tall])]) == StateFootprint(0.0, pytest.approx((300 ** 2 + 10 ** 2) / 3000), 2.0)
+    assert state_footprint([_Shampoo([vector])]) == StateFootprint(1.0, 0.0, 3.0)  # one side, the vector's shape
+    large = torch.nn.Parameter(torch.empty(50_000, 4096, device="meta"))  # 1.6e11 values of preconditioner
+    assert state_footprint([_Shampoo([large])]).whole == pytest.approx((50_000 ** 2 + 4096 ** 2) / (50_000 * 4096))
+
+
+@per_parameter_optimizer
+class _Shampoo(torch.optim.Optimizer):
+    """Shampoo's statistics: a preconditioner per side of a matrix (rows x rows, columns x columns) and one
+    per element of a vector, each gradient preconditioned by their inverse fourth roots."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-4):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                if p.dim() < 2:
+                    state.setdefault("accumulated", torch.zeros_like(p)).addcmul_(g, g)
+                    p.addcdiv_(g, state["accumulated"].add(group["eps"]).pow(0.25), value=-group["lr"])
+                    continue
+                g = g.reshape(g.shape[0], -1)
+                left = state.setdefault("left", g.new_zeros(g.shape[0], g.shape[0])).addmm_(g, g.T)
+                right = state.setdefault("right", g.new_zeros(g.shape[1], g.shape[1])).addmm_(g.T, g)
+                update = _inverse_root(left, group["eps"]) @ g @ _inverse_root(right, group["eps"])
+                p.add_(update.view_as(p), alpha=-group["lr"])
+        return None
+
+
+def _inverse_root(matrix: torch.Tensor, eps: float) -> torch.Tensor:
+    values, vectors = torch.linalg.eigh(matrix + eps * torch.eye(matrix.shape[0], dtype=matrix.dtype))
+    return vectors @ torch.diag(values.clamp_min(eps).pow(-0.25)) @ vectors.T
 
 
 class _SgdWithoutDefaultLr(torch.optim.SGD):

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim import Optimizer
 
 from lightning_elixir.devices import to_device
@@ -196,35 +197,57 @@ def state_footprint(optimizers: list[Optimizer]) -> Optional[StateFootprint]:
     what the step gathers; None when some class could not be measured.
 
     Measured, not looked up: each param group's class is built anew with that group's hyperparameters
-    over one 64 x 64 matrix (so factored state shows as such) for the group's matrices, and over one
-    vector for its vectors, stepped once on the CPU, and its tensor state counted."""
+    over a parameter of each shape the group trains, stepped once on fake tensors (no memory, no
+    arithmetic), and its tensor state counted, so a preconditioner per side of a tall matrix is priced as
+    that matrix holds it. A step that needs values (torch's Adafactor reads its step count) is measured on
+    a real 64 x 64 matrix for the group's matrices and a vector for the rest, stepped on the CPU."""
     total = sharded = whole = gathered = 0.0
     for optimizer in optimizers:
+        cls = type(optimizer)
         for group in optimizer.param_groups:
             hyperparameters = {k: v for k, v in group.items() if k != "params"}
-            trained = [p for p in group["params"] if p.requires_grad]
-            for shape, numel in (((64, 64), sum(p.numel() for p in trained if p.dim() > 1)),
-                                 ((4096,), sum(p.numel() for p in trained if p.dim() <= 1))):
-                if not numel:
-                    continue
-                measured = _measured_states(type(optimizer), hyperparameters, shape)
+            numels: dict[tuple[int, ...], int] = {}
+            for p in group["params"]:
+                if p.requires_grad:
+                    numels[tuple(p.shape)] = numels.get(tuple(p.shape), 0) + p.numel()
+            stand_ins: dict[tuple[int, ...], Optional[tuple[float, float]]] = {}
+            for shape, numel in numels.items():
+                measured = _measured_on_fake(cls, hyperparameters, shape)
+                if measured is None:
+                    stand_in = (64, 64) if len(shape) > 1 else (4096,)
+                    if stand_in not in stand_ins:
+                        stand_ins[stand_in] = _measured_states(cls, hyperparameters, stand_in)
+                    measured = stand_ins[stand_in]
                 if measured is None:
                     return None
                 own, other = measured
                 total, sharded, whole = total + numel, sharded + own * numel, whole + other * numel
-                if is_per_parameter(type(optimizer)):
+                if is_per_parameter(cls):
                     gathered = max(gathered, 2.0 + own)  # masters, gradients, per-element state
-                elif is_muon(type(optimizer)):
+                elif is_muon(cls):
                     gathered = max(gathered, 1.0)  # the update
     if not total:
         return StateFootprint(0.0)
     return StateFootprint(sharded / total, whole / total, gathered)
 
 
-def _measured_states(cls: type, hyperparameters: dict[str, Any],
-                     shape: tuple[int, ...]) -> Optional[tuple[float, float]]:
+def _measured_on_fake(cls: type, hyperparameters: dict[str, Any],
+                      shape: tuple[int, ...]) -> Optional[tuple[float, float]]:
+    """``_measured_states`` at the parameter's own shape on fake tensors (no memory, no arithmetic); None
+    where the step needs values (``.item()`` of its state, as torch's Adafactor takes) or fails so."""
+    if not shape:  # a scalar parameter: the vector stand-in measures it as well
+        return None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _measured_states(cls, hyperparameters, shape, quiet=True)
+    except Exception:  # noqa: BLE001 (a step that needs values: measured on the stand-in instead)
+        return None
+
+
+def _measured_states(cls: type, hyperparameters: dict[str, Any], shape: tuple[int, ...],
+                     quiet: bool = False) -> Optional[tuple[float, float]]:
     """State values per element of one step of ``cls`` with ``hyperparameters`` on a parameter of ``shape``,
-    as (of the parameter's shape, of other shapes); None if it cannot run so."""
+    as (of the parameter's shape, of other shapes); None if it cannot run so (``quiet``: raise instead)."""
     probe = nn.Parameter(torch.linspace(-1.0, 1.0, math.prod(shape)).view(shape))
     probe.grad = torch.linspace(0.5, -0.5, probe.numel()).view(shape)
     hyperparameters = {k: v for k, v in hyperparameters.items() if k not in ("fused", "capturable")}
@@ -240,6 +263,8 @@ def _measured_states(cls: type, hyperparameters: dict[str, Any],
                 optimizer = cls(groups, lr=hyperparameters["lr"])
             unhooked_step(type(optimizer))(optimizer)  # no step hook of the user's sees the probe
     except Exception as err:  # noqa: BLE001 (a class that needs other arguments or a GPU: not measured)
+        if quiet:
+            raise
         log.debug("could not measure the state of %s", cls.__name__, exc_info=err)
         return None
     held = [v for v in optimizer.state[probe].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
