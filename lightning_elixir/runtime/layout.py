@@ -118,7 +118,8 @@ def _check_one_dtype(specs: tuple[ChunkSpec, ...], own_dtypes: dict[str, torch.d
 def _check_plan_matches(plan: ElixirPlan, named: list[tuple[str, nn.Parameter]], world_size: int, shared: set[str]) -> None:
     if plan.world_size != world_size:
         raise PlanError(f"the plan's layout was built for world_size={plan.world_size}, but {world_size} ranks "
-                        "are running; re-plan (plan='auto') or build the layout for this world size")
+                        f"are running; re-plan (plan='auto', or `lightning-elixir plan ... --devices {world_size}` for a "
+                        "plan file), or use plan='zero2'/'zero3', which carry no layout")
     model_names = {n for n, _ in named}
     plan_names = {n for spec in plan.chunks for n in spec.params}
     missing, unknown = sorted(model_names - plan_names), sorted(plan_names - model_names)

@@ -434,8 +434,9 @@ def test_plan_for_another_world_size_is_rejected():
     model = _gpt()
     specs = tuple(ChunkSpec((n,), p.numel() + p.numel() % 2, private=n == "wte.weight")
                   for n, p in model.named_parameters())
-    with pytest.raises(PlanError, match="world_size=2"):
+    with pytest.raises(PlanError, match="world_size=2") as raised:
         ElixirRuntime(model, ElixirPlan(chunks=specs, world_size=2))
+    assert "--devices 1" in str(raised.value)  # how to make a plan file for the ranks running
 
 
 def test_explicit_layout_runs_and_matches_implicit_one():
