@@ -25,6 +25,7 @@ offloaded state may fill from ``--host-memory-limit`` (the profile does not reco
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -356,8 +357,8 @@ def main(argv: Sequence[str]) -> None:
     except (NoPlanFitsError, PlanError, ProfileError, ValueError) as err:
         parser.exit(1, f"{PROG}: error: {err}\n")
     print(describe(result, inputs, hardware, devices))
-    if args.out:
-        result.plan.to_json(args.out)
+    if args.out:  # named for its file: it runs as a fixed plan, not as plan="auto" (no re-planning)
+        dataclasses.replace(result.plan, name=os.path.basename(args.out)).to_json(args.out)
         print(f"\nwrote {args.out}; train with it:\n  {fit_command(args.config, args.out, inputs.strategy_is_class)}")
 
 

@@ -76,6 +76,7 @@ def test_plan_reads_config_overrides_and_prints_the_fit_command(at_root, tmp_pat
     # gpt_cpu.yaml names the strategy "elixir": the command must switch to class_path form to pass a plan
     assert f"--trainer.strategy lightning_elixir.ElixirStrategy --trainer.strategy.init_args.plan {out}" in text
     assert ElixirPlan.from_json(out).world_size == 2
+    assert ElixirPlan.from_json(out).name == "plan.json"  # the console names the file it runs, not "auto"
 
 
 @pytest.mark.parametrize("hardware, overrides, early", [
