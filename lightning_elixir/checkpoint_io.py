@@ -22,6 +22,7 @@ completed, so checkpoints are uploaded to their target directly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -60,7 +61,8 @@ def is_temp_name(name: str) -> bool:
 
 
 def checkpoint_dir_problem(dirpath: PathLike) -> Optional[str]:
-    """Why checkpoints cannot be written to the local directory ``dirpath`` (created if missing), or None.
+    """Why checkpoints cannot be written to the local directory ``dirpath``, or None. A missing directory is
+    made to probe it, and removed again.
 
     Remote directories are not checked: whether a bucket accepts writes is the storage plugin's
     business and may cost a request."""
@@ -68,16 +70,35 @@ def checkpoint_dir_problem(dirpath: PathLike) -> Optional[str]:
     if not _is_local(fs):
         return None
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, temp_name())
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
+        with made_for_a_probe(path):
+            probe = os.path.join(path, temp_name())
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
     except OSError as err:
         return (f"the checkpoint directory {str(dirpath)!r} cannot be created or written to "
                 f"({err.strerror or err}): pass a writable ModelCheckpoint(dirpath=...) "
                 "or Trainer(default_root_dir=...)")
     return None
+
+
+@contextmanager
+def made_for_a_probe(path: str) -> Generator[None, None, None]:
+    """The local directory ``path`` for the duration, its missing parents made and removed again after (when
+    empty): a run that never saves leaves no checkpoint directory, as ModelCheckpoint makes it at its first
+    save."""
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.exists(head) and head != os.path.dirname(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    try:
+        os.makedirs(path, exist_ok=True)
+        yield
+    finally:
+        for directory in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
 
 
 class AtomicCheckpointIO:

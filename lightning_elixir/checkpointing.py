@@ -17,7 +17,8 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
-from lightning_elixir.checkpoint_io import AtomicCheckpointIO, checkpoint_dir_problem, remove_dir, replace_dir, temp_name
+from lightning_elixir.checkpoint_io import (AtomicCheckpointIO, checkpoint_dir_problem, made_for_a_probe, remove_dir,
+                                           replace_dir, temp_name)
 from lightning_elixir.runtime.full_file import Records, drain, filled, write_torch_file
 from lightning_elixir.runtime.sharded import save_sharded
 from lightning_elixir.runtime.state_dict import deferred_records
@@ -99,18 +100,20 @@ def unshared_dirs_problem(strategy: Any, dirs: list[str]) -> Optional[str]:
     if not local:
         return None
     name = strategy.broadcast(temp_name())  # a leftover name: a killed run's probe is swept like a partial save
-    if strategy.is_global_zero:
-        for directory in local:
-            with open(os.path.join(directory, name), "wb"):
-                pass
-    strategy.barrier()
-    sees = all(os.path.exists(os.path.join(directory, name)) for directory in local)
-    # also a point that every rank reaches only after looking, so the probe can go
-    every = strategy.all_gather(torch.tensor([int(sees)], device=strategy.root_device)).reshape(-1).tolist()
-    if strategy.is_global_zero:
-        for directory in local:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
+    with contextlib.ExitStack() as made:
+        if strategy.is_global_zero:
+            for directory in local:
+                made.enter_context(made_for_a_probe(directory))
+                with open(os.path.join(directory, name), "wb"):
+                    pass
+        strategy.barrier()
+        sees = all(os.path.exists(os.path.join(directory, name)) for directory in local)
+        # also a point that every rank reaches only after looking, so the probe can go
+        every = strategy.all_gather(torch.tensor([int(sees)], device=strategy.root_device)).reshape(-1).tolist()
+        if strategy.is_global_zero:
+            for directory in local:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(directory, name))
     blind = [rank for rank, seen in enumerate(every) if not seen]
     if not blind:
         return None

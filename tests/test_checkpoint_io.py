@@ -166,7 +166,8 @@ def test_saves_killed_at_random_points_leave_whole_checkpoints_and_the_next_run_
 def test_an_unwritable_checkpoint_directory_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file, so no directory can be created under it")
-    assert checkpoint_dir_problem(tmp_path / "fine") is None and checkpoint_dir_problem("memory://anywhere") is None
+    assert checkpoint_dir_problem(tmp_path / "fine" / "ckpts") is None and checkpoint_dir_problem("memory://x") is None
+    assert not (tmp_path / "fine").exists()  # made for the probe only: ModelCheckpoint makes it when it saves
     started = _ListDir(tmp_path)
     with pytest.raises(ValueError, match=re.escape(repr(str(blocker / "ckpts")))):
         _fit(tmp_path, [ModelCheckpoint(dirpath=blocker / "ckpts"), started])
