@@ -209,7 +209,9 @@ class GradientFlow:
         seen = self.reductions.seen
         hyper = _hyperparameter_print(optimizer)
         flags = [float(pid in seen) for pid, _ in pairs]
-        local = to_device(torch.tensor(flags + [hyper, -hyper], dtype=torch.float32), device)
+        local = torch.tensor(flags + [hyper, -hyper], dtype=torch.float32)
+        if group.world_size > 1:  # with one rank nothing is reduced: the values stay on the host, no copies
+            local = to_device(local, device)
         agreement = collectives.Agreement.start(local, group)
         if self.read_later and all(flags):  # used here: used somewhere, so no gradient goes back to None
             self._unread = (agreement, optimizer)

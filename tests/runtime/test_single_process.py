@@ -619,3 +619,19 @@ def test_the_module_gets_its_parameters_back_in_their_own_layout(switch):
         assert p.stride() == strides[name], name
         torch.testing.assert_close(p, dict(reference.named_parameters())[name], msg=name)
     assert not hasattr(model.w, "_elixir_stride")
+
+
+def test_one_rank_keeps_the_agreement_on_the_host(monkeypatch):
+    """With one rank the agreement reduces nothing: its values are not copied to the device and back
+    (on a GPU, a pinned buffer, a copy each way and an event per optimizer step)."""
+    from lightning_elixir.runtime import grads as grads_module
+
+    moved = []
+    monkeypatch.setattr(grads_module, "to_device", lambda tensor, device: moved.append(device) or tensor)
+    model = _gpt()
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=4096))
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for seed in range(2):
+        _step(model, runtime, opt, seed)
+    runtime.read_agreement()
+    assert moved == []
