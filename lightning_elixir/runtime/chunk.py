@@ -332,7 +332,9 @@ class Chunk:
     def write_back_grad(self, full: torch.Tensor) -> None:
         """Keep in-place changes to a gathered gradient (manual clipping) in this rank's shard."""
         own = full[self.shard_begin:self.shard_begin + self.shard_numel].to(self.grad_shard.device)
-        if not torch.equal(own, self.grad_shard):
+        # On a GPU ``torch.equal`` makes the host wait for the device, and reads as many bytes as the copy:
+        # a shard on the device is copied as it is (unchanged values stay what they were).
+        if own.device.type != "cpu" or not torch.equal(own, self.grad_shard):
             self.grad_shard.copy_(own)
 
     # ---- gradients --------------------------------------------------------------------------
