@@ -234,6 +234,7 @@ class OffloadEngine:
         Returns the (user view, gradient) pairs hidden; ``restore`` puts them back after the step.
         """
         jobs, hidden = [], []
+        ready: Any = None
         for chunk in self.chunks:
             shadow = self.shadows.get((id(optimizer), chunk.index))
             if shadow is None:
@@ -247,7 +248,9 @@ class OffloadEngine:
             grads = [view.grad for view in shadow.user_views]
             if all(g is None for g in grads):
                 continue
-            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, self.uploads.ready()))
+            if not jobs:  # one event for the launch: nothing is queued on the device between its jobs
+                ready = self.uploads.ready()
+            jobs.append(_Job(chunk, shadow, shadow.snapshot(), grads, ready))
             hidden += self.hide(shadow.user_views)
         for job in jobs:
             job.chunk.pending_update = job.future

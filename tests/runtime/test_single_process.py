@@ -635,3 +635,17 @@ def test_one_rank_keeps_the_agreement_on_the_host(monkeypatch):
         _step(model, runtime, opt, seed)
     runtime.read_agreement()
     assert moved == []
+
+
+def test_an_offloaded_launch_records_one_ready_event_for_all_its_chunks(monkeypatch):
+    """Nothing is queued on the device between the jobs of one launch: one event (on a GPU, made and
+    recorded per call) tells every upload of the step when the shards may be overwritten."""
+    model = _gpt()
+    runtime = ElixirRuntime(model, on_host(model, ElixirPlan(chunk_numel=4096, cache_blocks="min")))
+    opt = shard_optimizer(runtime, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ready = runtime.offload.uploads.ready
+    calls = []
+    monkeypatch.setattr(runtime.offload.uploads, "ready", lambda: calls.append(1) or ready())
+    _step(model, runtime, opt, 0)
+    runtime.offload.settle()
+    assert runtime.offload.updates > 1 and len(calls) == 1
