@@ -15,6 +15,10 @@ access sequence lines up with the runtime's acquisitions one to one:
 - outside blocks, a module holding parameters directly (an embedding, a final norm, a head). It
   owns its subtree when no block lies inside it (``nn.MultiheadAttention`` then owns its
   ``out_proj``, whose weight it reads without calling it), else only its own parameters.
+- an ``nn.ParameterList`` or ``nn.ParameterDict`` is never a unit of its own: it has no forward
+  to hook, so its parameters count as its parent's own. The parent's code reads them, often in
+  ways that no ``__torch_function__`` sees (``torch.vmap`` over an ensemble's stacked parameters
+  wraps them in C++), and only the parent's hooks hold their chunks while it runs.
 
 The rule reads the module tree only, not the chunk layout, because the profile traces the step
 before the search chooses a layout; the layout then decides which chunks a unit needs. A
@@ -24,12 +28,15 @@ parameter registered by several modules (tied weights) belongs to the first unit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 """Module classes whose repeated children are blocks."""
+PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+"""Module classes that only hold parameters for their parent: never called, so never hooked."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,7 @@ def hook_units(module: nn.Module) -> tuple[Unit, ...]:
     claimed: set[str] = set()
 
     def own(unit: str, mod: nn.Module, recurse: bool) -> None:
-        params = mod.parameters() if recurse else (p for p in mod._parameters.values() if p is not None)
-        for p in params:
+        for p in (mod.parameters() if recurse else _own_params(mod)):
             name = canonical[id(p)]
             if name not in claimed:
                 claimed.add(name)
@@ -60,14 +66,15 @@ def hook_units(module: nn.Module) -> tuple[Unit, ...]:
         if _is_block(mod, parent):
             own(name, mod, recurse=True)
             return
-        direct = any(p is not None for p in mod._parameters.values())
+        direct = any(True for _ in _own_params(mod))
         if direct and not _holds_blocks(mod):
             own(name, mod, recurse=True)
             return
         if direct:
             own(name, mod, recurse=False)
         for child_name, child in mod.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, mod)
+            if not isinstance(child, PARAMETER_CONTAINERS):
+                visit(f"{name}.{child_name}" if name else child_name, child, mod)
 
     visit("", module, None)
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
@@ -95,6 +102,14 @@ def _is_block(mod: nn.Module, parent: nn.Module | None) -> bool:
         return False
     same = sum(type(sibling) is type(mod) for sibling in parent.children())
     return same >= 2 and any(True for _ in mod.parameters())
+
+
+def _own_params(mod: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters ``mod`` holds itself: registered on it, or in its ParameterList/ParameterDict children."""
+    yield from (p for p in mod._parameters.values() if p is not None)
+    for child in mod.children():
+        if isinstance(child, PARAMETER_CONTAINERS):
+            yield from child.parameters()
 
 
 def _holds_blocks(mod: nn.Module) -> bool:

@@ -699,6 +699,26 @@ class RootParameters(Classifier):
         return self.net(x) / self.temperature + self.offset
 
 
+class VmapEnsemble(Classifier):
+    """An ensemble of three MLPs evaluated at once: their parameters stacked (``torch.func.stack_module_state``)
+    in an ``nn.ParameterList`` that is never called, and ``torch.vmap`` over ``functional_call`` on a meta copy
+    of one member. vmap wraps each stacked parameter in C++, which no ``__torch_function__`` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        members = [mlp(8, 16, 4) for _ in range(3)]
+        params, _ = torch.func.stack_module_state(members)
+        self.names = list(params)
+        self.stacked = nn.ParameterList(nn.Parameter(params[name]) for name in self.names)
+        self.skeleton = (members[0].to("meta"),)  # a tuple: not a submodule, holds no parameters of the model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def member(*params: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.skeleton[0], dict(zip(self.names, params)), (x,))
+
+        return torch.vmap(member)(*self.stacked).mean(0)
+
+
 class SharedTwice(Classifier):
     """One block called twice in one forward."""
 
@@ -2545,6 +2565,7 @@ CASES: list[Case] = [
     Case("tied_embedding_shared_parameter", lambda: TiedLM("shared"), token_data),
     Case("weight_used_outside_module", WeightOutsideModule, cls_data),
     Case("parameters_on_root_module", RootParameters, cls_data),
+    Case("vmap_ensemble_stacked_parameter_list", VmapEnsemble, cls_data),
     Case("shared_module_called_twice", SharedTwice, cls_data),
     Case("frozen_submodule", FrozenBackbone, cls_data),
     Case("frozen_batchnorm_backbone_in_eval", FrozenBNBackbone, image_data),
