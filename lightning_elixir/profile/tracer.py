@@ -199,7 +199,9 @@ class StepTracer:
         for name in used:
             if name in listed:
                 continue
-            if self.table.unit_of.get(name) != call.module or name in self.shared:
+            # Outside every unit's call (``call.record`` is None) even the root unit's own parameters are
+            # read where no hook holds them: the root unit and the step outside modules share the name "".
+            if call.record is None or self.table.unit_of.get(name) != call.module or name in self.shared:
                 self.shared.add(name)
             self._attribute(call, name, op)
 

@@ -719,6 +719,20 @@ class VmapEnsemble(Classifier):
         return torch.vmap(member)(*self.stacked).mean(0)
 
 
+class VmapEnsembleInStep(VmapEnsemble):
+    """The ensemble evaluated in ``training_step`` itself, never through the module's forward: no hook of the
+    unit that owns the stacked parameters (the root) runs, and vmap's reads of them are seen by no
+    ``__torch_function__``; plan "auto" must find them read in the step and keep them gathered."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+
+        def member(*params: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.skeleton[0], dict(zip(self.names, params)), (x,))
+
+        return F.cross_entropy(torch.vmap(member)(*self.stacked).mean(0), y)
+
+
 class SharedTwice(Classifier):
     """One block called twice in one forward."""
 
@@ -2566,6 +2580,8 @@ CASES: list[Case] = [
     Case("weight_used_outside_module", WeightOutsideModule, cls_data),
     Case("parameters_on_root_module", RootParameters, cls_data),
     Case("vmap_ensemble_stacked_parameter_list", VmapEnsemble, cls_data),
+    Case("vmap_ensemble_in_training_step", VmapEnsembleInStep, cls_data,
+         private=("stacked.0", "stacked.1", "stacked.2", "stacked.3")),
     Case("shared_module_called_twice", SharedTwice, cls_data),
     Case("frozen_submodule", FrozenBackbone, cls_data),
     Case("frozen_batchnorm_backbone_in_eval", FrozenBNBackbone, image_data),

@@ -132,6 +132,25 @@ def test_a_parameter_read_outside_its_unit_joins_the_running_units_access():
     assert profile.shared_params == ()  # the root unit owns scale and reads it while it runs
 
 
+def test_root_parameters_read_in_the_step_outside_forward_are_shared():
+    """The root unit and the step outside modules are both named "": a read of the root's own parameters
+    outside its forward is still one no hook holds (torch.vmap reads them unseen by the runtime), so they are
+    shared and get private chunks."""
+
+    class Ensemble(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 8, 4))
+
+    def step(module, batch):
+        x, y = batch
+        out = torch.vmap(lambda w: x @ w)(module.weight).mean(0)  # never calls the root's forward
+        return ((out - y) ** 2).mean()
+
+    profile = profile_model(Ensemble(), (torch.randn(4, 8), torch.randn(4, 4)), step_fn=step)
+    assert profile.shared_params == ("weight",)
+
+
 def test_params_in_first_use_order_with_unused_last():
     class Reordered(nn.Module):
         def __init__(self):
