@@ -33,7 +33,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -238,6 +238,9 @@ class ElixirStrategy(ParallelStrategy):
                                 f"got {type(hardware_profile).__name__}")
         self.hardware_profile = hardware_profile
         self.nvme_path = None if nvme_path is None else str(check_nvme_path(nvme_path))
+        if self.nvme_path is not None and fixed and not any(c.placement == "nvme" for c in self.plan.chunks):
+            rank_zero_warn(f"nvme_path={nvme_path!r} is not used: {fixed} places no chunk on NVMe (plan='auto' may "
+                           "place some there)")
         self.host_memory_limit = _planning_limit("host_memory_limit", host_memory_limit, fixed)
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type={state_dict_type!r}: use 'full' (one file) or 'sharded' (a directory "

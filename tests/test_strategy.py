@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import warnings
 
 import lightning as L
 import pytest
@@ -260,6 +261,14 @@ def test_an_unusable_nvme_path_fails_at_construction(tmp_path):
         ElixirStrategy(nvme_path=tmp_path / "file")
     with pytest.raises(ValueError, match="host_memory_limit"):
         ElixirStrategy(plan="zero3", host_memory_limit="1GiB")
+
+
+def test_an_nvme_path_that_a_fixed_plan_never_uses_is_named(tmp_path):
+    with pytest.warns(UserWarning, match="places no chunk on NVMe"):
+        ElixirStrategy(plan="zero3", nvme_path=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ElixirStrategy(plan="auto", nvme_path=tmp_path)  # the search may place chunks there
 
 
 class TwoValidationSets(BigramDataModule):
