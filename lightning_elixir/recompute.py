@@ -9,7 +9,8 @@ recomputation is short of memory (it offloads, or nothing fits), the step is tra
 every other block and with every block recomputing, each variant is searched, and the fastest
 prediction that fits wins; the plan lists the blocks (``ElixirPlan.recompute``). The blocks are
 the hook units' blocks ([Note: hook units] in units.py): the repeated layers of the model, less
-those with persistent buffers (a recomputed BatchNorm would update its running statistics twice). A
+those with persistent buffers (a recomputed BatchNorm would update its running statistics twice);
+a block that is a list of layers (never called itself) stands for its layers. A
 model that already recomputes (the user's own checkpointing, seen as "recompute" accesses in the
 trace) is left as it is. A call of a block whose arguments include an object other than tensors
 and plain values (a key-value cache the call appends to) runs without recomputation: the
@@ -125,12 +126,26 @@ def _reparametrized(block: nn.Module) -> bool:
 
 def recompute_candidates(module: nn.Module) -> tuple[str, ...]:
     """The blocks plan="auto" may recompute: those without persistent buffers (BatchNorm's running
-    statistics would be updated again by the recomputation) and not compiled (``block.compile()``)."""
+    statistics would be updated again by the recomputation) and not compiled (``block.compile()``).
+
+    A block that is itself an ``nn.ModuleList`` or ``nn.ModuleDict`` (a stage of layers kept in a
+    list of lists, as Funnel Transformer keeps its blocks) is never called, so hooks on it never fire
+    and recomputing it would change nothing: its layers are the candidates instead."""
     modules = dict(module.named_modules())
-    return tuple(name for name in block_names(module)
+    return tuple(name for block in block_names(module) for name in _called_parts(block, modules[block])
                  if getattr(modules[name], "_compiled_call_impl", None) is None
                  and not any(name_ not in m._non_persistent_buffers_set for m in modules[name].modules()
                              for name_ in m._buffers))
+
+
+def _called_parts(name: str, mod: nn.Module) -> Iterator[str]:
+    """``name``, or for a list or dict of modules (no forward of its own) the parts of its children with parameters."""
+    if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+        yield name
+        return
+    for child_name, child in mod.named_children():
+        if any(True for _ in child.parameters()):
+            yield from _called_parts(f"{name}.{child_name}", child)
 
 
 @contextlib.contextmanager

@@ -125,3 +125,47 @@ def test_recomputing_blocks_trains_exactly_as_without(runs, name, own):
     weights = torch.load(runs / f"{name}_True_{own}" / "weights.pt")
     for key, value in torch.load(runs / f"{name}_False_{own}" / "weights.pt").items():
         torch.testing.assert_close(weights[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calls = torch.nn.Linear(8, 8), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tanh(self.fc(x))
+
+
+class _Staged(torch.nn.Module):
+    """Stages kept as a list of lists of layers (as Funnel Transformer keeps its blocks): the blocks
+    are the inner lists, which are never called themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(torch.nn.ModuleList(_Layer() for _ in range(2)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for layer in stage:
+                x = layer(x)
+        return x
+
+
+def test_blocks_that_are_lists_of_layers_recompute_their_layers():
+    from lightning_elixir.recompute import recompute_candidates
+
+    torch.manual_seed(0)
+    model, x = _Staged(), torch.randn(4, 8)
+    assert block_names(model) == ("stages.0", "stages.1")
+    names = recompute_candidates(model)
+    assert names == ("stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1")
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    layers = [m for m in model.modules() if isinstance(m, _Layer)]
+    before = [layer.calls for layer in layers]
+    with recomputing(model, names):
+        model(x).square().sum().backward()
+    assert [layer.calls - b for layer, b in zip(layers, before)] == [2] * 4  # forward, then the recomputation
+    assert all(torch.equal(e, p.grad) for e, p in zip(expected, model.parameters()))
