@@ -44,7 +44,7 @@ from lightning_elixir.runtime import collectives, emulated
 from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import StateFootprint, state_footprint
 from lightning_elixir.runtime.policy import own_dtype_params
-from lightning_elixir.recompute import recompute_candidates, recomputing
+from lightning_elixir.recompute import recompute_candidates, recomputing, skipped_calls
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.report import format_bytes, format_ms
@@ -436,25 +436,51 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
         return plan, report, profile, ()
     blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
     variants = [names for names in (blocks[1::2], blocks) if names]
+    skipped: dict[str, tuple[str, ...]] = {}
     for names in dict.fromkeys(variants):  # one block: the same variant twice
         try:
-            variant = traced(names)
+            with skipped_calls() as skips:
+                variant = traced(names)
+            skipped.update(skips)
             found.append((names, *search(variant, hw, budget, options), variant))
         except NoPlanFitsError as err:
             failures.append(err)
         except Exception as err:  # noqa: BLE001 (a variant that cannot be traced is not chosen)
             log.debug("could not trace the step with %d blocks recomputing", len(names), exc_info=err)
+    kept = _kept_activations(skipped, len(blocks))
     if not found:
-        raise min(failures, key=lambda f: f.min_device_bytes)
+        least = min(failures, key=lambda f: f.min_device_bytes)
+        if not kept:
+            raise least
+        raise NoPlanFitsError(f"{least} Also: {kept}.", least.min_device_bytes, least.budget_bytes,
+                              (*least.levers, kept))
     names, plan, report, profile = min(found, key=lambda f: f[2].winner.step_s)
     if not names:
-        return plan, report, profile, ()
+        return plan, report, profile, (kept,) if kept else ()
     without = next((f for f in found if not f[0]), None)
     instead = (f"without it the best plan is predicted at {format_ms(without[2].winner.step_s)} "
                f"({without[2].placement_summary()})" if without else "without it no plan fits the budget")
     note = (f"recomputing {len(names)} of {len(blocks)} blocks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}):"
             f" predicted {format_ms(report.winner.step_s)}; {instead}")
-    return dataclasses.replace(plan, recompute=names), report, profile, (note,)
+    return dataclasses.replace(plan, recompute=names), report, profile, (note,) + ((kept,) if kept else ())
+
+
+def _kept_activations(skipped: Mapping[str, tuple[str, ...]], candidates: int) -> str:
+    """Why blocks the search would recompute keep their activations, and what to change; "" when none do.
+
+    A block called with an object among its arguments (Hugging Face models pass their key-value
+    cache to every layer, also in training, unless ``use_cache=False``) runs without recomputation
+    ([Note: searched recomputation] in recompute.py), so its variant saves nothing: without being
+    told, a user would see no plan recompute and not know why."""
+    if not skipped:
+        return ""
+    names = list(skipped)
+    kinds = ", ".join(dict.fromkeys(kind for found in skipped.values() for kind in found))
+    return (f"recomputing: {len(names)} of {candidates} "
+            f"blocks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) cannot be recomputed and keep "
+            f"their activations, as they are called with {kinds} among their arguments, which the call may change; "
+            "call the model without it in training (Hugging Face models: use_cache=False) so that plan='auto' can "
+            "recompute them")
 
 
 def with_private_params(profile: ModelProfile, private_params: Iterable[str]) -> ModelProfile:

@@ -18,7 +18,10 @@ recomputation would see the object as the call left it; so does a call under
 ``torch.func.functional_call`` (tensors in place of the parameters, gone by the time of the
 recomputation), and a call inside code that ``torch.compile`` compiles (the generator that opens
 and closes the region is not something Dynamo traces through; compiled blocks are not candidates,
-and a block inside a compiled function keeps its activations).
+and a block inside a compiled function keeps its activations). Hugging Face models pass their
+key-value cache to every layer, in training too, unless called with ``use_cache=False``: the
+planner names the blocks that kept their activations for such an object, and the object's type,
+among its notes (or in the error when no plan fits), so that the user can let them recompute.
 
 The runtime applies it as PyTorch's composable checkpointing does: a forward pre-hook on the block
 opens a non-reentrant checkpoint region and its forward hook closes it, so parameter names, the
@@ -54,14 +57,19 @@ class Recomputation:
         self.names = tuple(names)
         self._handles: list[Any] = []
         for name in self.names:
-            self._install(modules[name])
+            self._install(name, modules[name])
 
-    def _install(self, block: nn.Module) -> None:
+    def _install(self, name: str, block: nn.Module) -> None:
         state = _BlockState()
 
         def open_region(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if state.enabled and not torch.compiler.is_compiling() and _plain((args, kwargs)) \
-                    and not _reparametrized(mod):
+            if not state.enabled or torch.compiler.is_compiling():
+                return
+            objects = _objects((args, kwargs))
+            if objects and _skips:
+                for found in _skips:
+                    found.setdefault(name, objects)
+            if not objects and not _reparametrized(mod):
                 region = _checkpoint._checkpoint_without_reentrant_generator(
                     mod, True, lambda: (contextlib.nullcontext(), state), "default", False, *_EARLY_STOP, *args,
                     **kwargs)
@@ -105,17 +113,34 @@ class _BlockState:
         self.enabled = True
 
 
-def _plain(value: Any) -> bool:
-    """Whether a call's arguments are tensors and plain values only. An object among them (a key-value
-    cache that the call appends to, say) may be changed by the call, and the recomputation would then
-    see it changed: such calls keep their activations."""
+def _objects(value: Any) -> tuple[str, ...]:
+    """The type names of the objects other than tensors and plain values among a call's arguments. Such
+    an object (a key-value cache that the call appends to, say) may be changed by the call, and the
+    recomputation would then see it changed: calls with any keep their activations."""
     if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
-        return True
+        return ()
     if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
+        return tuple(dict.fromkeys(name for v in value for name in _objects(v)))
     if isinstance(value, dict):
-        return all(_plain(v) for v in value.values())
-    return False
+        return _objects(tuple(value.values()))
+    return (type(value).__name__,)
+
+
+_skips: list[dict[str, tuple[str, ...]]] = []
+"""The open ``skipped_calls`` collections."""
+
+
+@contextlib.contextmanager
+def skipped_calls() -> Iterator[dict[str, tuple[str, ...]]]:
+    """Block name -> the type names of the objects among its arguments, for the calls of blocks to
+    recompute that ran without recomputation inside the block (a trace of a variant): what keeps
+    plan="auto" from recomputing them, for the planner to tell."""
+    found: dict[str, tuple[str, ...]] = {}
+    _skips.append(found)
+    try:
+        yield found
+    finally:
+        _skips.remove(found)
 
 
 def _reparametrized(block: nn.Module) -> bool:

@@ -169,3 +169,48 @@ def test_blocks_that_are_lists_of_layers_recompute_their_layers():
         model(x).square().sum().backward()
     assert [layer.calls - b for layer, b in zip(layers, before)] == [2] * 4  # forward, then the recomputation
     assert all(torch.equal(e, p.grad) for e, p in zip(expected, model.parameters()))
+
+
+class _Cache:
+    """A key-value cache a model passes to each of its layers (as Hugging Face models do in training too)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+
+class _CachedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(8, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            cache.seen.append(x.detach())
+        return x + self.out(torch.tanh(self.fc(x)))
+
+
+class _CachedModel(torch.nn.Module):
+    def __init__(self, use_cache: bool) -> None:
+        super().__init__()
+        self.use_cache = use_cache
+        self.layers = torch.nn.ModuleList(_CachedLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = _Cache() if self.use_cache else None
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_the_planner_says_when_blocks_called_with_an_object_cannot_recompute(use_cache):
+    """Such calls run without recomputation; when the search would recompute, it says which blocks and why."""
+    torch.manual_seed(0)
+    model, batch = _CachedModel(use_cache), torch.randn(4, 16, 8)
+    with pytest.raises(NoPlanFitsError) as err:
+        plan_automatically(model, batch, device=torch.device("cpu"), group=Group(None, 0, 1),
+                           compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1, memory_limit=1,
+                           step_fn=lambda module, x: module(x).square().mean())
+    told = "called with _Cache among their arguments" in str(err.value)
+    assert told == use_cache, str(err.value)
+    assert told == any("use_cache=False" in lever for lever in err.value.levers)
