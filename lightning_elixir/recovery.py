@@ -41,6 +41,7 @@ unchanged, as with ``oom_recovery=False``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -363,13 +364,16 @@ class OutOfMemoryRecovery:
         unknown state)."""
         if group.rank == 0:
             model, hardware, options = planning.model_profile, planning.hardware_profile, planning.options
+            # the profile was traced with the running plan's blocks recomputing ([Note: searched recomputation]):
+            # a plan searched on it predicts their activations recomputed, so it recomputes them too
+            recompute = planning.plan.recompute
             try:
                 plan, _ = search(model, hardware, max(budget, 1), options)
-                text = plan.to_json()
+                text = dataclasses.replace(plan, recompute=recompute).to_json()
             except NoPlanFitsError as no_fit:
                 if no_fit.min_device_bytes < running_peak:  # not that low, but the most frugal plan is lower
                     plan, _ = search(model, hardware, no_fit.min_device_bytes, options)
-                    text = plan.to_json()
+                    text = dataclasses.replace(plan, recompute=recompute).to_json()
                 else:
                     text = "!" + str(no_fit).splitlines()[0]
             if group.world_size > 1:

@@ -214,3 +214,49 @@ def test_the_planner_says_when_blocks_called_with_an_object_cannot_recompute(use
     told = "called with _Cache among their arguments" in str(err.value)
     assert told == use_cache, str(err.value)
     assert told == any("use_cache=False" in lever for lever in err.value.levers)
+
+
+@pytest.fixture(scope="module")
+def recomputing_planning():
+    """plan="auto" for a budget only recomputation fits (as the first test), and the budget."""
+    torch.manual_seed(0)
+    model = GPT(LONG)
+    blocks = block_names(model)
+    budget = (_least_need(model) + _least_need(model, blocks)) // 2
+    planning = plan_automatically(model, _batch(), device=torch.device("cpu"), group=Group(None, 0, 1),
+                                  compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                                  memory_limit=budget, step_fn=_step)
+    assert planning.plan.recompute
+    return planning
+
+
+def test_a_recovery_from_a_recomputing_plan_keeps_recomputing(recomputing_planning):
+    """The profile a recovery searches again was traced with the plan's blocks recomputing: its plan
+    must recompute them too, or the redo keeps the activations its prediction leaves out."""
+    from lightning_elixir.recovery import OutOfMemoryRecovery
+
+    planning = recomputing_planning
+    peak = planning.report.winner.peak_bytes
+    plan = OutOfMemoryRecovery()._shared_plan(planning, peak - 1, peak, Group(None, 0, 1), RuntimeError())
+    assert plan.recompute == planning.plan.recompute
+
+
+def test_the_self_correction_keeps_recomputing_what_the_profile_recomputes(recomputing_planning, monkeypatch):
+    """So does a plan the self-correction switches to (here: the search's best with one more prefetch, so
+    that it differs from the running plan)."""
+    from lightning_elixir.search import calibrate
+    from lightning_elixir.search.calibrate import StepMeasurement, reconsider
+
+    planning = recomputing_planning
+    searched = calibrate.search
+
+    def other(*args, **kwargs):
+        plan, report = searched(*args, **kwargs)
+        return dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth + 1), report
+
+    monkeypatch.setattr(calibrate, "search", other)
+    decision = reconsider(planning.plan, planning.model_profile, planning.hardware_profile, planning.budget_bytes,
+                          planning.options, StepMeasurement(step_s=planning.report.winner.step_s / 2),
+                          threshold=0.1, margin=0.0)
+    assert decision.plan is not None, decision.reason
+    assert decision.plan.recompute == planning.plan.recompute

@@ -276,6 +276,8 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
               f"(it reserved {format_bytes(overhead)} beyond its peak)" if overhead else "")
     try:
         best, report = search(calibration.model, calibration.hardware, usable, options)
+        # the profile was traced with the running plan's blocks recomputing: so are the plans searched on it
+        best = dataclasses.replace(best, recompute=plan.recompute)
     except NoPlanFitsError as err:
         reason = (f"{start}; no plan fits the calibrated model{within} ({str(err).splitlines()[0]}): "
                   "keeping the plan")
