@@ -364,18 +364,17 @@ class OutOfMemoryRecovery:
         unknown state)."""
         if group.rank == 0:
             model, hardware, options = planning.model_profile, planning.hardware_profile, planning.options
-            # the profile was traced with the running plan's blocks recomputing ([Note: searched recomputation]):
-            # a plan searched on it predicts their activations recomputed, so it recomputes them too
-            recompute = planning.plan.recompute
             try:
                 plan, _ = search(model, hardware, max(budget, 1), options)
-                text = dataclasses.replace(plan, recompute=recompute).to_json()
             except NoPlanFitsError as no_fit:
-                if no_fit.min_device_bytes < running_peak:  # not that low, but the most frugal plan is lower
-                    plan, _ = search(model, hardware, no_fit.min_device_bytes, options)
-                    text = dataclasses.replace(plan, recompute=recompute).to_json()
+                if no_fit.min_device_bytes >= running_peak:  # the most frugal plan is no lower than the running one
+                    plan, text = None, "!" + str(no_fit).splitlines()[0]
                 else:
-                    text = "!" + str(no_fit).splitlines()[0]
+                    plan, _ = search(model, hardware, no_fit.min_device_bytes, options)
+            if plan is not None:
+                # the profile was traced with the running plan's blocks recomputing ([Note: searched
+                # recomputation]): a plan searched on it predicts their activations recomputed, so it recomputes them
+                text = dataclasses.replace(plan, recompute=planning.plan.recompute).to_json()
             if group.world_size > 1:
                 _store().set(self._key("plan"), text)
         else:
