@@ -133,13 +133,13 @@ class AutoPlanner:
         return self.planning
 
     def switched(self, plan: Any, budget_bytes: Optional[int] = None, **profiles: Any) -> None:
-        """The strategy now runs ``plan`` (searched for ``budget_bytes``, on ``profiles`` when given)."""
+        """The strategy now runs ``plan`` (searched for ``budget_bytes``, on ``profiles`` when given; else on
+        the variant traced with its recomputation, [Note: recomputation variants])."""
         if self.planning is None:
             return
-        changes = {"plan": plan, **profiles}
         if budget_bytes is not None:
-            changes["budget_bytes"] = budget_bytes
-        self.planning = dataclasses.replace(self.planning, **changes)
+            profiles["budget_bytes"] = budget_bytes
+        self.planning = self.planning.switched_to(plan, **profiles)
         self._samples = []  # steps of the old plan say nothing about the new one
 
     # ---- self-correction -----------------------------------------------------------------------
@@ -162,14 +162,16 @@ class AutoPlanner:
         self._samples = []
         decision = reconsider(strategy.runtime.plan, planning.model_profile, planning.hardware_profile,
                               planning.budget_bytes, planning.options, measured, self.correction.threshold,
-                              self.correction.margin)
+                              self.correction.margin, variants=planning.searchable)
         plan = strategy.broadcast(decision.plan)  # rank 0's conclusion, on every rank
         self.decision = decision = dataclasses.replace(decision, plan=plan)
         if plan is not None:
             calibration, report = decision.calibration, decision.report
             assert calibration is not None and report is not None
             strategy.switch_plan(plan)
-            self.switched(plan, report=report, model_profile=calibration.model, hardware_profile=calibration.hardware)
+            # the plan was searched on calibrated profiles: so are the searches after it
+            self.switched(plan, report=report, hardware_profile=calibration.hardware,
+                          variants=calibration.variants(planning.searchable))
         return decision
 
 

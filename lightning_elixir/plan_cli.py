@@ -247,9 +247,9 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
                                       inputs.gradient_clip_val)  # the config's callbacks are not built
     options = search_options(devices, inputs.micro_batches, policy.compute_dtype, policy.autocast_dtype,
                              nvme_available=nvme, host_memory_bytes=host_bytes, updates_in_backward=early)
-    plan, report, profile, notes = search_with_recomputation(inputs.module, traced(), traced, hardware, budget, options)
-    return PlanningResult(plan, report, profile, hardware, budget, options=options,
-                          notes=notes + _notes(hardware, devices, host_bytes, early))
+    best, variants, notes = search_with_recomputation(inputs.module, traced(), traced, hardware, budget, options)
+    return PlanningResult(best.plan, best.report, best.variant.profile, hardware, budget, options=options,
+                          notes=notes + _notes(hardware, devices, host_bytes, early), variants=variants)
 
 
 def _ranks_per_machine(hardware: HardwareProfile, devices: int, num_nodes: int = 1) -> int:

@@ -47,7 +47,8 @@ from lightning_elixir.runtime.policy import own_dtype_params
 from lightning_elixir.recompute import recompute_candidates, recomputing, skipped_calls
 from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
 from lightning_elixir.search.errors import NoPlanFitsError
-from lightning_elixir.search.report import format_bytes, format_ms
+from lightning_elixir.search.report import format_bytes, format_ms, format_names
+from lightning_elixir.search.variants import Searched, Variant, fastest, least_needing, search_each, variant_for
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,24 @@ class PlanningResult:
     cache or the user's profile), "profile" (the step traced on fake tensors), "search"."""
     notes: tuple[str, ...] = ()
     """What the user should know about the inputs (assumptions, mismatches); the plan CLI prints them."""
+    variants: tuple[Variant, ...] = ()
+    """The step as traced with each set of blocks recomputing that the search weighed, the running plan's
+    (``model_profile``) among them; later searches weigh them again ([Note: recomputation variants])."""
+
+    @property
+    def searchable(self) -> tuple[Variant, ...]:
+        """What a later search weighs: the traced variants, or the running plan's profile alone."""
+        if self.variants or self.model_profile is None:
+            return self.variants
+        return (Variant(tuple(self.plan.recompute), self.model_profile),)
+
+    def switched_to(self, plan: ElixirPlan, **changes: Any) -> "PlanningResult":
+        """This planning with ``plan`` running and ``changes`` (a budget, calibrated variants) applied; its
+        ``model_profile`` is the variant traced with ``plan``'s recomputation, unless ``changes`` name one."""
+        variant = variant_for(changes.get("variants", self.variants), plan.recompute)
+        if variant is not None and "model_profile" not in changes:
+            changes["model_profile"] = variant.profile
+        return dataclasses.replace(self, plan=plan, **changes)
 
 
 @dataclass(frozen=True)
@@ -411,58 +430,60 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
                 return with_private_params(trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw,
                                                  device=device, param_dtype=compute_dtype), private_params)
 
-        plan, report, profile, notes = search_with_recomputation(module, profile, traced, hw, budget, options)
+        best, variants, notes = search_with_recomputation(module, profile, traced, hw, budget, options)
         seconds["search"] = time.perf_counter() - clock
-        return PlanningResult(_agree(plan, group), report, profile, hw, budget, options=options, seconds=seconds,
-                              notes=notes)
+        plan = _agree(best.plan, group)
+        # every rank runs rank 0's plan, and describes it with the profile of its recomputation
+        ran = variant_for(variants, plan.recompute) or best.variant
+        return PlanningResult(plan, best.report, ran.profile, hw, budget, options=options, seconds=seconds,
+                              notes=notes, variants=variants)
 
 
 def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, traced: Callable[[tuple[str, ...]], ModelProfile],
-                        hw: HardwareProfile, budget: int, options: SearchOptions
-                        ) -> tuple[ElixirPlan, SearchReport, ModelProfile, tuple[str, ...]]:
-    """The search's best plan, weighing recomputation against offloading ([Note: searched recomputation]).
+                              hw: HardwareProfile, budget: int, options: SearchOptions
+                              ) -> tuple[Searched, tuple[Variant, ...], tuple[str, ...]]:
+    """The search's best plan, weighing recomputation against offloading ([Note: searched recomputation]),
+    with every variant traced ([Note: recomputation variants]) and the notes for the user.
 
     Without memory pressure (the plan without recomputation keeps all state on the device) that plan
     is taken as it is. Otherwise every other block, then every block, recomputing are traced and
     searched too, and the fastest predicted plan that fits wins. When no variant fits, raises the
     ``NoPlanFitsError`` of the variant whose most frugal plan needs the least memory."""
-    failures: list[NoPlanFitsError] = []
-    try:
-        plan, report = search(profile, hw, budget, options)
-        found = [((), plan, report, profile)]
-    except NoPlanFitsError as err:
-        found, failures = [], [err]
-    if found and not plan.offloads:
-        return plan, report, profile, ()
+    variants = [Variant((), profile)]
+    found, failures = search_each(variants, hw, budget, options)
+    if found and not found[0].plan.offloads:
+        return found[0], tuple(variants), ()
     blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
-    variants = [names for names in (blocks[1::2], blocks) if names]
     skipped: dict[str, tuple[str, ...]] = {}
-    for names in dict.fromkeys(variants):  # one block: the same variant twice
+    for names in dict.fromkeys(n for n in (blocks[1::2], blocks) if n):  # one block: the same variant twice
         try:
             with skipped_calls() as skips:
-                variant = traced(names)
+                variant = Variant(names, traced(names))
             skipped.update(skips)
-            found.append((names, *search(variant, hw, budget, options), variant))
-        except NoPlanFitsError as err:
-            failures.append(err)
         except Exception as err:  # noqa: BLE001 (a variant that cannot be traced is not chosen)
             log.debug("could not trace the step with %d blocks recomputing", len(names), exc_info=err)
+            continue
+        variants.append(variant)
+        more, failed = search_each([variant], hw, budget, options)
+        found += more
+        failures += failed
     kept = _kept_activations(skipped, len(blocks))
     if not found:
-        least = min(failures, key=lambda f: f.min_device_bytes)
+        least = least_needing(failures)
         if not kept:
             raise least
         raise NoPlanFitsError(f"{least} Also: {kept}.", least.min_device_bytes, least.budget_bytes,
                               (*least.levers, kept))
-    names, plan, report, profile = min(found, key=lambda f: f[2].winner.step_s)
+    best = fastest(found, failures)
+    names = best.variant.recompute
     if not names:
-        return plan, report, profile, (kept,) if kept else ()
-    without = next((f for f in found if not f[0]), None)
-    instead = (f"without it the best plan is predicted at {format_ms(without[2].winner.step_s)} "
-               f"({without[2].placement_summary()})" if without else "without it no plan fits the budget")
-    note = (f"recomputing {len(names)} of {len(blocks)} blocks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}):"
-            f" predicted {format_ms(report.winner.step_s)}; {instead}")
-    return dataclasses.replace(plan, recompute=names), report, profile, (note,) + ((kept,) if kept else ())
+        return best, tuple(variants), (kept,) if kept else ()
+    without = next((f for f in found if not f.variant.recompute), None)
+    instead = (f"without it the best plan is predicted at {format_ms(without.report.winner.step_s)} "
+               f"({without.report.placement_summary()})" if without else "without it no plan fits the budget")
+    note = (f"recomputing {len(names)} of {len(blocks)} blocks ({format_names(names)}):"
+            f" predicted {format_ms(best.report.winner.step_s)}; {instead}")
+    return best, tuple(variants), (note,) + ((kept,) if kept else ())
 
 
 def _kept_activations(skipped: Mapping[str, tuple[str, ...]], candidates: int) -> str:
@@ -477,7 +498,7 @@ def _kept_activations(skipped: Mapping[str, tuple[str, ...]], candidates: int) -
     names = list(skipped)
     kinds = ", ".join(dict.fromkeys(kind for found in skipped.values() for kind in found))
     return (f"recomputing: {len(names)} of {candidates} "
-            f"blocks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) cannot be recomputed and keep "
+            f"blocks ({format_names(names)}) cannot be recomputed and keep "
             f"their activations, as they are called with {kinds} among their arguments, which the call may change; "
             "call the model without it in training (Hugging Face models: use_cache=False) so that plan='auto' can "
             "recompute them")

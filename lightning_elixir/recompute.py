@@ -7,7 +7,9 @@ activations in backward (activation checkpointing) keeps only its input for abou
 forward of it. plan="auto" weighs the two together (planner.py): when the plan without
 recomputation is short of memory (it offloads, or nothing fits), the step is traced again with
 every other block and with every block recomputing, each variant is searched, and the fastest
-prediction that fits wins; the plan lists the blocks (``ElixirPlan.recompute``). The blocks are
+prediction that fits wins; the plan lists the blocks (``ElixirPlan.recompute``). The traced variants
+are kept, and the self-correction and out-of-memory recovery search them all again ([Note:
+recomputation variants] in search/variants.py). The blocks are
 the hook units' blocks ([Note: hook units] in units.py): the repeated layers of the model, less
 those with persistent buffers (a recomputed BatchNorm would update its running statistics twice);
 a block that is a list of layers (never called itself) stands for its layers. A

@@ -41,7 +41,6 @@ unchanged, as with ``oom_recovery=False``.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
@@ -64,7 +63,7 @@ from lightning_elixir.runtime.emulated import EmulatedOutOfMemoryError
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.evaluate import evaluate_plan
 from lightning_elixir.search.report import format_bytes
-from lightning_elixir.search.search import search
+from lightning_elixir.search.variants import search_variants
 
 log = logging.getLogger(__name__)
 
@@ -363,18 +362,16 @@ class OutOfMemoryRecovery:
         below the running plan's ``running_peak``), on every rank (through the store: the old group is in an
         unknown state)."""
         if group.rank == 0:
-            model, hardware, options = planning.model_profile, planning.hardware_profile, planning.options
+            # every traced recomputation variant: recomputing more may be the cheapest way down ([Note:
+            # recomputation variants] in search/variants.py)
+            variants, hardware, options = planning.searchable, planning.hardware_profile, planning.options
             try:
-                plan, _ = search(model, hardware, max(budget, 1), options)
+                text = search_variants(variants, hardware, max(budget, 1), options).plan.to_json()
             except NoPlanFitsError as no_fit:
                 if no_fit.min_device_bytes >= running_peak:  # the most frugal plan is no lower than the running one
-                    plan, text = None, "!" + str(no_fit).splitlines()[0]
+                    text = "!" + str(no_fit).splitlines()[0]
                 else:
-                    plan, _ = search(model, hardware, no_fit.min_device_bytes, options)
-            if plan is not None:
-                # the profile was traced with the running plan's blocks recomputing ([Note: searched
-                # recomputation]): a plan searched on it predicts their activations recomputed, so it recomputes them
-                text = dataclasses.replace(plan, recompute=planning.plan.recompute).to_json()
+                    text = search_variants(variants, hardware, no_fit.min_device_bytes, options).plan.to_json()
             if group.world_size > 1:
                 _store().set(self._key("plan"), text)
         else:

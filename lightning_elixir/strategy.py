@@ -68,6 +68,7 @@ from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.calibrate import SelfCorrection
+from lightning_elixir.search.report import format_names
 from lightning_elixir.toggling import install_toggling, remove_toggling
 from lightning_elixir.uneven import UnevenSteps
 
@@ -531,8 +532,8 @@ class ElixirStrategy(ParallelStrategy):
             return plan
         self._conditional = names
         modules = sorted({n.rpartition(".")[0] for n in names})
-        rank_zero_info(f"Elixir: {len(modules)} module(s) run on some ranks only ({', '.join(modules[:4])}"
-                       f"{', ...' if len(modules) > 4 else ''}): their parameters get private chunks")
+        rank_zero_info(f"Elixir: {len(modules)} module(s) run on some ranks only ({format_names(modules, 4)}"
+                       "): their parameters get private chunks")
         if not plan.chunks:
             return plan
         chosen = set(names)

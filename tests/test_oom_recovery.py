@@ -116,17 +116,25 @@ class ManualDropoutGPT(DropoutGPT):
 
 
 class Record(Callback):
-    """Per rank: the loss of every micro-batch, the learning rate, the batches seen; at the end the
-    weights, the plan it ended on, the logged mean and the recoveries."""
+    """Per rank: the loss of every micro-batch, the learning rate, the batches seen, the peak emulated
+    memory, the calls of the first block; at the end the weights, the plan it ended on, the logged mean
+    and the recoveries."""
 
     def __init__(self, run: Path) -> None:
-        self.run, self.rows = run, []
+        self.run, self.rows, self.calls = run, [], 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def called(*_) -> None:
+            self.calls += 1
+
+        pl_module.model.h[0].register_forward_pre_hook(called)  # twice a micro-batch where it is recomputed
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         memory = active()
         self.rows.append([trainer.global_step, batch_idx, outputs["loss"].item(), lr, int(batch.sum()),
-                          memory.peak if memory else None])
+                          memory.peak if memory else None, self.calls])
+        self.calls = 0
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy, rank = trainer.strategy, trainer.global_rank
@@ -147,19 +155,20 @@ SWITCHED = ElixirPlan(chunk_numel=12 << 10, cache_blocks="all", name="switched")
 
 
 class SwitchAfter(Callback):
-    """Switches the running plan to SWITCHED after an optimizer step, as the self-correction does."""
+    """Switches the running plan to ``plan`` after an optimizer step, as the self-correction does."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, plan: ElixirPlan = SWITCHED) -> None:
+        self.step, self.plan = step, plan
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            trainer.strategy.switch_plan(SWITCHED)
+            trainer.strategy.switch_plan(self.plan)
 
 
 def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: int = 1,
         recovery: bool = True, switch_after: int = 0, manual: bool = False, checkpointing: bool = False,
-        oom_in_update: int = 0, oom_in_backward: int = 0, budget: int = BUDGET) -> None:
+        oom_in_update: int = 0, oom_in_backward: int = 0, budget: int = BUDGET, switch_to: ElixirPlan = SWITCHED
+        ) -> None:
     run.mkdir(parents=True, exist_ok=True)
     strategy = ElixirStrategy(plan=plan, device_memory_limit=budget if plan == "auto" else None, replan=False,
                               oom_recovery=recovery, collective_timeout_s=TIMEOUT.total_seconds())
@@ -168,7 +177,7 @@ def fit(run: Path, world_size: int, plan, limit, ranks, steps: int, accumulate: 
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, default_root_dir=run,
                         callbacks=[Record(run), ElixirMonitor(figure=False)]
-                        + ([SwitchAfter(switch_after)] if switch_after else []))
+                        + ([SwitchAfter(switch_after, switch_to)] if switch_after else []))
     model = ManualDropoutGPT() if manual else DropoutGPT(checkpointing)
     model.oom_in_update = oom_in_update
     model.oom_in_backward = oom_in_backward

@@ -110,6 +110,8 @@ def runs(tmp_path_factory) -> Path:
             for own in (False, True):
                 chosen = dataclasses.replace(plan, recompute=BLOCKS) if recompute else plan
                 fits.append((root / f"{name}_{recompute}_{own}", chosen, None, None, 4, 1, True, 0, False, own))
+    into = dataclasses.replace(PLANS["gathered_per_block"], recompute=BLOCKS)  # from a resident plan, after step 2
+    fits.append((root / "switched_in", PLANS["resident"], None, None, 4, 1, True, 2, False, False, 0, 0, 0, into))
     fit_on_ranks(2, fits, fit_fn=fit)
     return root
 
@@ -122,8 +124,23 @@ def test_recomputing_blocks_trains_exactly_as_without(runs, name, own):
         got, want = result(runs / f"{name}_True_{own}", rank), result(runs / f"{name}_False_{own}", rank)
         assert got["plan"]["recompute"] == list(BLOCKS) and want["plan"]["recompute"] == []
         assert [r[2] for r in got["rows"]] == pytest.approx([r[2] for r in want["rows"]], rel=1e-6)
+        assert {r[6] for r in got["rows"]} == {2} and {r[6] for r in want["rows"]} == {2 if own else 1}  # calls
     weights = torch.load(runs / f"{name}_True_{own}" / "weights.pt")
     for key, value in torch.load(runs / f"{name}_False_{own}" / "weights.pt").items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_a_switch_into_recomputation_trains_as_its_plan_from_the_start(runs):
+    """A plan switch that starts recomputing blocks (as a self-correction or a recovery may) checkpoints them
+    from then on, and trains exactly as the new plan does from the start."""
+    for rank in (0, 1):
+        assert not (runs / "switched_in" / f"error{rank}.txt").exists()
+        got, want = result(runs / "switched_in", rank), result(runs / "gathered_per_block_True_False", rank)
+        assert got["plan"] == want["plan"] and got["plan"]["recompute"] == list(BLOCKS)
+        assert [r[2] for r in got["rows"]] == pytest.approx([r[2] for r in want["rows"]], rel=1e-6)
+        assert [r[6] for r in got["rows"]] == [1, 1, 2, 2] and [r[6] for r in want["rows"]] == [2, 2, 2, 2]
+    weights = torch.load(runs / "switched_in" / "weights.pt")
+    for key, value in torch.load(runs / "gathered_per_block_True_False" / "weights.pt").items():
         torch.testing.assert_close(weights[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
@@ -244,19 +261,89 @@ def test_a_recovery_from_a_recomputing_plan_keeps_recomputing(recomputing_planni
 def test_the_self_correction_keeps_recomputing_what_the_profile_recomputes(recomputing_planning, monkeypatch):
     """So does a plan the self-correction switches to (here: the search's best with one more prefetch, so
     that it differs from the running plan)."""
-    from lightning_elixir.search import calibrate
+    from lightning_elixir.search import variants
     from lightning_elixir.search.calibrate import StepMeasurement, reconsider
 
     planning = recomputing_planning
-    searched = calibrate.search
+    searched = variants.search
 
     def other(*args, **kwargs):
         plan, report = searched(*args, **kwargs)
         return dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth + 1), report
 
-    monkeypatch.setattr(calibrate, "search", other)
+    monkeypatch.setattr(variants, "search", other)
     decision = reconsider(planning.plan, planning.model_profile, planning.hardware_profile, planning.budget_bytes,
                           planning.options, StepMeasurement(step_s=planning.report.winner.step_s / 2),
                           threshold=0.1, margin=0.0)
     assert decision.plan is not None, decision.reason
     assert decision.plan.recompute == planning.plan.recompute
+
+
+def _least_needs(planning) -> dict[tuple[str, ...], int]:
+    """What each traced variant's most frugal plan needs."""
+    needs = {}
+    for variant in planning.variants:
+        with pytest.raises(NoPlanFitsError) as err:
+            search(variant.profile, planning.hardware_profile, 1, planning.options)
+        needs[variant.recompute] = err.value.min_device_bytes
+    return needs
+
+
+def _running(planning, recompute, budget):
+    """``planning`` as it would be while running its variant ``recompute``'s best plan for ``budget``."""
+    from lightning_elixir.search.variants import search_variants, variant_for
+
+    found = search_variants([variant_for(planning.variants, recompute)], planning.hardware_profile, budget,
+                            planning.options)
+    return planning.switched_to(found.plan, budget_bytes=budget, report=found.report)
+
+
+def test_later_searches_weigh_every_traced_variant(recomputing_planning):
+    """Planning keeps the step as traced with each set of blocks recomputing; a switch describes the new
+    plan by its own variant ([Note: recomputation variants] in search/variants.py)."""
+    from lightning_elixir.search.variants import variant_for
+
+    planning = recomputing_planning
+    blocks = block_names(GPT(LONG))
+    assert [v.recompute for v in planning.variants] == [(), blocks[1::2], blocks]
+    assert planning.model_profile is variant_for(planning.variants, planning.plan.recompute).profile
+    running = _running(planning, blocks[1::2], planning.budget_bytes * 2)
+    assert running.plan.recompute == blocks[1::2]
+    assert running.model_profile is variant_for(planning.variants, blocks[1::2]).profile
+
+
+def test_a_recovery_recomputes_more_blocks_when_that_is_what_fits(recomputing_planning):
+    """Running every other block recomputed, a recovery whose lowered budget only the plans recomputing every
+    block fit switches to one of those, not to a failure."""
+    from lightning_elixir.recovery import OutOfMemoryRecovery
+
+    blocks = block_names(GPT(LONG))
+    needs = _least_needs(recomputing_planning)
+    assert needs[blocks] < needs[blocks[1::2]] < needs[()]
+    running = _running(recomputing_planning, blocks[1::2], (needs[blocks[1::2]] + needs[()]) // 2)
+    plan = OutOfMemoryRecovery()._shared_plan(running, (needs[blocks] + needs[blocks[1::2]]) // 2,
+                                              running.report.winner.peak_bytes, Group(None, 0, 1), RuntimeError())
+    assert plan.recompute == blocks
+
+
+def test_the_self_correction_may_recompute_fewer_blocks(recomputing_planning):
+    """Running every block recomputed where recomputing every other block fits and is faster (as after a
+    recovery), the calibrated search weighs the variants again and switches to the faster one; the planning
+    then describes the new plan by its variant, calibrated as the running one was."""
+    from lightning_elixir.search import evaluate_plan
+    from lightning_elixir.search.calibrate import StepMeasurement, reconsider
+    from lightning_elixir.search.variants import variant_for
+
+    blocks = block_names(GPT(LONG))
+    needs = _least_needs(recomputing_planning)
+    running = _running(recomputing_planning, blocks, (needs[blocks[1::2]] + needs[()]) // 2)
+    decision = reconsider(running.plan, running.model_profile, running.hardware_profile, running.budget_bytes,
+                          running.options, StepMeasurement(step_s=running.report.winner.step_s * 2), threshold=0.1,
+                          margin=0.0, variants=running.searchable)
+    assert decision.outcome == "switch" and decision.plan.recompute == blocks[1::2], decision.reason
+    assert "recomputing 2 blocks (instead of 4)" in decision.reason
+    calibrated = decision.calibration.variants(running.searchable)
+    after = running.switched_to(decision.plan, variants=calibrated, hardware_profile=decision.calibration.hardware)
+    assert after.model_profile is variant_for(calibrated, blocks[1::2]).profile
+    predicted = evaluate_plan(decision.plan, after.model_profile, after.hardware_profile, after.options).cost.step_s
+    assert predicted == pytest.approx(decision.report.winner.step_s, rel=1e-9)

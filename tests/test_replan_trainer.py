@@ -74,8 +74,9 @@ class Planned(Callback):
         if planning is not None and self.run.name == "wrong" and decision is not None and decision.calibration:
             calibration = decision.calibration
             out["calibrated_over_measured"] = calibration.after.step_s / decision.measured.step_s
-            # the plan it ends on against the calibrated search's winner, both on the calibrated profiles
-            last = evaluate_plan(strategy.runtime.plan, calibration.model, calibration.hardware, planning.options)
+            # the plan it ends on against the calibrated search's winner, both on the calibrated profiles (the
+            # planning describes the plan it ends on by the variant traced with its recomputation, calibrated)
+            last = evaluate_plan(strategy.runtime.plan, planning.model_profile, calibration.hardware, planning.options)
             out["last_over_best"] = last.cost.step_s / decision.report.cost.step_s
             # and against the measured profile's plan, on the measured profile (reported, not asserted)
             hardware = HardwareProfile.from_json(measured / f"hardware{rank}.json")

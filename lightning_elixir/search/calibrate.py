@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 from lightning_elixir.plan import ElixirPlan
@@ -60,7 +61,7 @@ from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.evaluate import evaluate_plan
 from lightning_elixir.search.options import SearchOptions
 from lightning_elixir.search.report import SearchReport, format_bytes, format_ms
-from lightning_elixir.search.search import search
+from lightning_elixir.search.variants import Variant, search_variants
 
 FACTOR_LIMIT = 100.0
 NOISY = 1.0
@@ -162,6 +163,14 @@ class Calibration:
     after: CostBreakdown
     """The running plan, predicted with the calibrated profiles."""
 
+    def applied(self, model: ModelProfile) -> ModelProfile:
+        """Another trace of the step (a recomputation variant) corrected as the running plan's was."""
+        return scale_compute(scale_activations(model, self.activation_scale), self.compute_scale)
+
+    def variants(self, variants: Sequence[Variant]) -> tuple[Variant, ...]:
+        """``variants`` corrected as the running plan's profile was ([Note: recomputation variants])."""
+        return tuple(Variant(v.recompute, self.applied(v.profile)) for v in variants)
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -238,9 +247,12 @@ def calibrate(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, 
 
 def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile, budget_bytes: int,
                options: SearchOptions, measured: StepMeasurement, threshold: float = 0.15,
-               margin: float = 0.1) -> Decision:
+               margin: float = 0.1, variants: Sequence[Variant] = ()) -> Decision:
     """Compare ``measured`` with ``plan``'s prediction; beyond ``threshold``, calibrate, search again,
-    and name a plan to switch to when one is predicted faster by ``margin`` ([Note: self-correction])."""
+    and name a plan to switch to when one is predicted faster by ``margin`` ([Note: self-correction]).
+
+    ``model`` is the step traced with ``plan``'s blocks recomputing; ``variants``, with others, which the
+    search weighs again, corrected alike ([Note: recomputation variants]); none: ``model`` alone."""
     predicted = evaluate_plan(plan, model, hardware, options)
     step_s, peak = predicted.cost.step_s, predicted.memory.peak_bytes
     error = measured.step_s / step_s - 1.0 if step_s > 0 else float("inf")
@@ -275,9 +287,9 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
     within = (f" within the {format_bytes(usable)} the allocator leaves of the {format_bytes(budget_bytes)} budget "
               f"(it reserved {format_bytes(overhead)} beyond its peak)" if overhead else "")
     try:
-        best, report = search(calibration.model, calibration.hardware, usable, options)
-        # the profile was traced with the running plan's blocks recomputing: so are the plans searched on it
-        best = dataclasses.replace(best, recompute=plan.recompute)
+        found = search_variants(calibration.variants(variants) or (Variant(plan.recompute, calibration.model),),
+                                calibration.hardware, usable, options)
+        best, report = found.plan, found.report
     except NoPlanFitsError as err:
         reason = (f"{start}; no plan fits the calibrated model{within} ({str(err).splitlines()[0]}): "
                   "keeping the plan")
@@ -291,8 +303,11 @@ def reconsider(plan: ElixirPlan, model: ModelProfile, hardware: HardwareProfile,
         reason = (f"{start}; best other plan {format_ms(report.winner.step_s)} vs {format_ms(running)} for the "
                   f"running one (calibrated), {gain:.0%} faster, under the {margin:.0%} margin: keeping the plan")
         return Decision(measured, step_s, peak, calibration, "margin", report=report, reason=reason)
-    reason = (f"{start}; switching to {report.winner.describe()}: predicted {format_ms(report.winner.step_s)} vs "
-              f"{format_ms(running)} for the running plan (calibrated), {gain:.0%} faster")
+    recomputing = (f", recomputing {len(best.recompute)} blocks (instead of {len(plan.recompute)})"
+                   if tuple(best.recompute) != tuple(plan.recompute) else "")
+    reason = (f"{start}; switching to {report.winner.describe()}{recomputing}: predicted "
+              f"{format_ms(report.winner.step_s)} vs {format_ms(running)} for the running plan (calibrated), "
+              f"{gain:.0%} faster")
     return Decision(measured, step_s, peak, calibration, "switch", plan=best, report=report, reason=reason)
 
 
@@ -353,10 +368,11 @@ def _fit_scale(predict: Callable[[float], float], target: float, tolerance: floa
 
 
 def _same_plan(a: ElixirPlan, a_blocks: int, b: ElixirPlan, b_blocks: int) -> bool:
-    """Whether two plans run the same way: same chunks (or packing), prefetch and cache blocks, with
-    "min"/"all" resolved to counts (``*_blocks``)."""
+    """Whether two plans run the same way: same chunks (or packing), prefetch, cache blocks (with
+    "min"/"all" resolved to counts, ``*_blocks``) and recomputation."""
     same_layout = a.chunks == b.chunks if a.chunks and b.chunks else a.chunk_numel == b.chunk_numel
-    return same_layout and a.prefetch_depth == b.prefetch_depth and a_blocks == b_blocks
+    return same_layout and a.prefetch_depth == b.prefetch_depth and a_blocks == b_blocks \
+        and tuple(a.recompute) == tuple(b.recompute)
 
 
 def _ratio(measured: float, predicted: float) -> float:

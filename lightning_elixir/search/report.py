@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,3 +195,8 @@ class SearchReport:
 def format_ms(seconds: float) -> str:
     """Seconds as milliseconds with two decimals."""
     return f"{seconds * 1e3:.2f}ms"
+
+
+def format_names(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` names, comma-separated, and ", ..." when there are more."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
