@@ -439,19 +439,28 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
                               notes=notes, variants=variants)
 
 
+NEAR_BUDGET = 0.9
+"""A plan predicted above this fraction of its budget is near enough to run out (the first GPU runs
+measured the prediction 17% low before the margin planning keeps): planning traces the recomputation
+variants for it too, so that a recovery can recompute rather than offload ([Note: recomputation variants])."""
+
+
 def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, traced: Callable[[tuple[str, ...]], ModelProfile],
                               hw: HardwareProfile, budget: int, options: SearchOptions
                               ) -> tuple[Searched, tuple[Variant, ...], tuple[str, ...]]:
     """The search's best plan, weighing recomputation against offloading ([Note: searched recomputation]),
     with every variant traced ([Note: recomputation variants]) and the notes for the user.
 
-    Without memory pressure (the plan without recomputation keeps all state on the device) that plan
-    is taken as it is. Otherwise every other block, then every block, recomputing are traced and
-    searched too, and the fastest predicted plan that fits wins. When no variant fits, raises the
-    ``NoPlanFitsError`` of the variant whose most frugal plan needs the least memory."""
+    Without memory pressure (the plan without recomputation keeps all state on the device, predicted
+    below ``NEAR_BUDGET`` of the budget) that plan is taken as it is. Otherwise every other block, then
+    every block, recomputing are traced and searched too, and the fastest predicted plan that fits wins
+    (a plan that fits without offloading is kept, and the variants are there for a recovery). When no
+    variant fits, raises the ``NoPlanFitsError`` of the variant whose most frugal plan needs the least
+    memory."""
     variants = [Variant((), profile)]
     found, failures = search_each(variants, hw, budget, options)
-    if found and not found[0].plan.offloads:
+    pressed = not found or found[0].plan.offloads
+    if not pressed and found[0].report.winner.peak_bytes <= NEAR_BUDGET * budget:
         return found[0], tuple(variants), ()
     blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
     skipped: dict[str, tuple[str, ...]] = {}
@@ -467,14 +476,14 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
         more, failed = search_each([variant], hw, budget, options)
         found += more
         failures += failed
-    kept = _kept_activations(skipped, len(blocks))
+    kept = _kept_activations(skipped, len(blocks)) if pressed else ""  # unasked advice where nothing is short
     if not found:
         least = least_needing(failures)
         if not kept:
             raise least
         raise NoPlanFitsError(f"{least} Also: {kept}.", least.min_device_bytes, least.budget_bytes,
                               (*least.levers, kept))
-    best = fastest(found, failures)
+    best = fastest(found, failures) if pressed else found[0]
     names = best.variant.recompute
     if not names:
         return best, tuple(variants), (kept,) if kept else ()

@@ -347,3 +347,30 @@ def test_the_self_correction_may_recompute_fewer_blocks(recomputing_planning):
     assert after.model_profile is variant_for(calibrated, blocks[1::2]).profile
     predicted = evaluate_plan(decision.plan, after.model_profile, after.hardware_profile, after.options).cost.step_s
     assert predicted == pytest.approx(decision.report.winner.step_s, rel=1e-9)
+
+
+def test_a_plan_near_its_budget_keeps_the_variants_for_its_recovery():
+    """A plan that fits without offloading but near its budget runs as it is, with the variants traced: when
+    it runs out of memory, the recovery may recompute where the plans without recomputation no longer fit."""
+    from lightning_elixir.planner import NEAR_BUDGET
+    from lightning_elixir.recovery import OutOfMemoryRecovery
+
+    torch.manual_seed(0)
+    model = GPT(LONG)
+    blocks = block_names(model)
+
+    def planned(limit):
+        return plan_automatically(model, _batch(), device=torch.device("cpu"), group=Group(None, 0, 1),
+                                  compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                                  memory_limit=limit, step_fn=_step)
+
+    roomy = planned(_least_need(model) * 4)
+    peak = roomy.report.winner.peak_bytes
+    assert not roomy.plan.offloads and [v.recompute for v in roomy.variants] == [()]
+    near = planned(int(peak / (NEAR_BUDGET + 0.05)))
+    assert near.plan == roomy.plan and not near.notes
+    assert [v.recompute for v in near.variants] == [(), blocks[1::2], blocks]
+    needs = _least_needs(near)
+    plan = OutOfMemoryRecovery()._shared_plan(near, (needs[blocks] + needs[()]) // 2, peak, Group(None, 0, 1),
+                                              RuntimeError())
+    assert plan.recompute

@@ -11,9 +11,11 @@ profile it was searched on, by construction rather than by each caller copying i
 budget may be met by recomputing more blocks where offloading more state would be slower (the trade
 the first search made, made again with what the run has measured).
 
-Only what planning traced can be searched again: a plan planned without memory pressure traced no
-variant but its own (the step is traced again only when the plan without recomputation offloads or
-does not fit), and its recoveries offload.
+Only what planning traced can be searched again. Planning traces the variants when the plan
+without recomputation offloads or does not fit, and when it fits but is predicted near its budget
+(``planner.NEAR_BUDGET``: the plan a prediction error can push out of memory, whose recovery should be
+free to recompute); a plan well inside its budget traces no variant but its own, and its recoveries
+offload.
 """
 
 from __future__ import annotations
