@@ -119,6 +119,18 @@ def _refuse_graph_logging(trainer: Any) -> None:
                              "strategy='auto', if you need it)")
 
 
+def _apply_layer_sync(layer_sync: Any, module: Any, device: torch.device) -> Any:
+    """``Trainer(sync_batchnorm=True)``'s conversion of ``module``, as DDP applies it. torch's SyncBatchNorm is refused
+    on the CPU before any work, as DDP refuses it there (its training forward raises), with the module given back."""
+    module = layer_sync.apply(module)
+    if device.type == "cpu" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        layer_sync.revert(module)
+        raise ValueError("Trainer(sync_batchnorm=True) converts the BatchNorm layers to torch.nn.SyncBatchNorm, whose "
+                         "training forward runs on GPUs only (DDP refuses it on the CPU too): remove "
+                         "sync_batchnorm=True for a CPU run, or run on GPUs")
+    return module
+
+
 def _refuse_unsupported_callbacks(trainer: Any) -> None:
     """Refuse, before any work, Lightning callbacks that cannot work on sharded parameters, saying what works."""
     for cb in trainer.callbacks:
@@ -426,6 +438,11 @@ class ElixirStrategy(ParallelStrategy):
         self._configured = None
         if self.runtime is None or self.runtime.module is not self.model:  # a new model (e.g. test after fit)
             self._finished = None
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+                # Trainer(sync_batchnorm=True), as DDP applies it: before chunking, so that the runtime's hooks
+                # and the optimizers' parameters are those of the converted layers (the parameters keep their
+                # identity); reverted at teardown once the module is plain again.
+                self.model = _apply_layer_sync(self._layer_sync, self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
             if trainer.state.fn == TrainerFn.FITTING and self.planner is not None and not _holds_meta(self.model):
                 # [Note: planning for the optimizer]: the parameters keep their identity when chunked
@@ -955,6 +972,9 @@ class ElixirStrategy(ParallelStrategy):
             self.runtime.restore_module()
             self._finished = self.runtime if self.runtime.optimizers else None
             self.runtime = self.precision_plugin.runtime = None
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                self.model = self._layer_sync.revert(self.model)  # plain BatchNorm layers again, as after DDP
         if self._recomputation is not None and (self.runtime is None or self._failed):  # the module is the user's
             self._recomputation.remove()  # again, or a new strategy may take it over (a reused runtime re-applies it)
             self._recomputation = None
