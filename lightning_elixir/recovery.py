@@ -379,7 +379,7 @@ class OutOfMemoryRecovery:
         if text.startswith("!"):
             raise ElixirOutOfMemoryError(
                 f"the step ran out of memory, and no plan fits the budget lowered to {format_bytes(max(budget, 0))} "
-                f"({text[1:]}). " + _ADVICE) from err
+                f"({text[1:]}). " + _advice(planning)) from err
         return ElixirPlan.from_json(text)
 
     def _explain(self, ran_out: list[dict[str, Any]], why: str, strategy: Any) -> str:
@@ -389,11 +389,15 @@ class OutOfMemoryRecovery:
         first = ran_out[0]["message"] if ran_out else "out of memory"
         return (f"the training step ran out of device memory on rank(s) {ranks} ({first}) under "
                 f"{strategy.describe_running()}, and it cannot be redone: {why}. Recoveries so far: {attempts}. "
-                + _ADVICE)
+                + _advice(strategy.planning_for_recovery()))
 
 
-_ADVICE = ("To fit: lower device_memory_limit so that plan='auto' keeps more headroom, lower the batch size, or "
-           "checkpoint activations in the model (torch.utils.checkpoint).")
+def _advice(planning: Any) -> str:
+    """What would help, less what the search already weighed (recomputation, when it traced the variants)."""
+    weighed = planning is not None and len(planning.searchable) > 1
+    return ("To fit: lower device_memory_limit so that plan='auto' keeps more headroom"
+            + (" or lower the batch size (the search already weighed recomputing blocks)." if weighed else
+               ", lower the batch size, or checkpoint activations in the model (torch.utils.checkpoint)."))
 
 
 def _overshoot(err: BaseException, strategy: Any) -> int:

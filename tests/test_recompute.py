@@ -324,6 +324,11 @@ def test_a_recovery_recomputes_more_blocks_when_that_is_what_fits(recomputing_pl
     plan = OutOfMemoryRecovery()._shared_plan(running, (needs[blocks] + needs[blocks[1::2]]) // 2,
                                               running.report.winner.peak_bytes, Group(None, 0, 1), RuntimeError())
     assert plan.recompute == blocks
+    # below every variant's most frugal plan: the advice does not suggest the recomputation already weighed
+    from lightning_elixir.recovery import ElixirOutOfMemoryError
+    with pytest.raises(ElixirOutOfMemoryError, match="already weighed recomputing") as err:
+        OutOfMemoryRecovery()._shared_plan(running, needs[blocks] // 2, 1, Group(None, 0, 1), RuntimeError())
+    assert "torch.utils.checkpoint" not in str(err.value)
 
 
 def test_the_self_correction_may_recompute_fewer_blocks(recomputing_planning):
