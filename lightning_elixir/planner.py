@@ -45,7 +45,7 @@ from lightning_elixir.runtime.collectives import Group
 from lightning_elixir.runtime.optim import StateFootprint, state_footprint
 from lightning_elixir.runtime.policy import own_dtype_params
 from lightning_elixir.recompute import recompute_candidates, recomputing, skipped_calls
-from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit, search
+from lightning_elixir.search import SearchOptions, SearchReport, parse_memory_limit
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.report import format_bytes, format_ms, format_names
 from lightning_elixir.search.variants import Searched, Variant, fastest, least_needing, search_each, variant_for
