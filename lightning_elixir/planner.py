@@ -462,7 +462,7 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
     pressed = not found or found[0].plan.offloads
     if not pressed and found[0].report.winner.peak_bytes <= NEAR_BUDGET * budget:
         return found[0], tuple(variants), ()
-    blocks = () if any(a.phase == "recompute" for a in profile.accesses) else recompute_candidates(module)
+    blocks = () if profile.recomputes else recompute_candidates(module)  # the model's own checkpointing stays
     skipped: dict[str, tuple[str, ...]] = {}
     for names in dict.fromkeys(n for n in (blocks[1::2], blocks) if n):  # one block: the same variant twice
         try:

@@ -13,8 +13,9 @@ recomputation variants] in search/variants.py). The blocks are
 the hook units' blocks ([Note: hook units] in units.py): the repeated layers of the model, less
 those with persistent buffers (a recomputed BatchNorm would update its running statistics twice);
 a block that is a list of layers (never called itself) stands for its layers. A
-model that already recomputes (the user's own checkpointing, seen as "recompute" accesses in the
-trace) is left as it is. A call of a block whose arguments include an object other than tensors
+model that already recomputes is left as it is: the trace sees forward operators re-run in backward
+(``ModelProfile.recomputes``), also where no hook sees the recomputation (a layer that checkpoints
+inside its own forward, as Hugging Face layers do after ``gradient_checkpointing_enable()``). A call of a block whose arguments include an object other than tensors
 and plain values (a key-value cache the call appends to) runs without recomputation: the
 recomputation would see the object as the call left it; so does a call under
 ``torch.func.functional_call`` (tensors in place of the parameters, gone by the time of the

@@ -379,3 +379,53 @@ def test_a_plan_near_its_budget_keeps_the_variants_for_its_recovery():
     plan = OutOfMemoryRecovery()._shared_plan(near, (needs[blocks] + needs[()]) // 2, peak, Group(None, 0, 1),
                                               RuntimeError())
     assert plan.recompute
+
+
+class _SelfCheckpointing(torch.nn.Module):
+    """A layer that checkpoints inside its own forward, as Hugging Face layers do after
+    ``gradient_checkpointing_enable()``: its forward hooks stay outside the checkpoint, so they do not fire
+    when it is recomputed."""
+
+    def __init__(self, reentrant) -> None:
+        super().__init__()
+        self.fc, self.reentrant = torch.nn.Linear(16, 16), reentrant
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None or not torch.is_grad_enabled():
+            return self._forward(x)
+        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["as_is", "non_reentrant", "reentrant"])
+def test_a_model_that_checkpoints_inside_its_layers_is_left_as_it_is(reentrant):
+    """The trace sees forward operators re-run in backward although no layer's forward hook fires: the model
+    recomputes on its own, so the search does not stack its own checkpointing on it."""
+    from lightning_elixir.planner import search_options, search_with_recomputation
+    from tests.search.profiles import hardware
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *(_SelfCheckpointing(reentrant) for _ in range(4)))
+
+    def step(module, x):
+        return module(x).square().mean()
+
+    def traced(names=()):
+        with recomputing(model, names):
+            return profile_model(model, torch.randn(64, 8), step, device="cpu")
+
+    profile = traced()
+    assert profile.recomputes == (reentrant is not None)
+    assert not any(a.phase == "recompute" for a in profile.accesses)  # what a hook would have seen
+    asked = []
+
+    def counted(names):
+        asked.append(names)
+        return traced(names)
+
+    with pytest.raises(NoPlanFitsError):
+        search_with_recomputation(model, profile, counted, hardware(world_size=1), 1,
+                                  search_options(1, 1, torch.float32, None))
+    assert asked == ([] if reentrant is not None else [("2", "4"), ("1", "2", "3", "4")])

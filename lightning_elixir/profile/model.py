@@ -296,6 +296,7 @@ def _assemble(table: ParamTable, tracer: StepTracer, accesses: list[Access], com
         compute_dtype=_dtype_name(compute_dtype),
         forward_compute_s=totals.compute_s["forward"],
         backward_compute_s=totals.compute_s["backward"],
+        recomputes=totals.recomputed_ops > 0,
     )
 
 

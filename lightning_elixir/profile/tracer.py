@@ -77,6 +77,9 @@ class _Totals:
 
     compute_s: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
     peak_bytes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    recomputed_ops: int = 0
+    """Operators run in backward with gradients enabled: forward operators re-run to rebuild a graph
+    (activation checkpointing, wherever it is applied, also inside a module's own forward)."""
 
 
 class StepTracer:
@@ -145,6 +148,8 @@ class StepTracer:
             self.live.track(storage)
         cost = op_cost(func, args, kwargs, out, inputs + outputs, self.hardware)
         group = "backward" if self.in_backward else "forward"
+        if self.in_backward and torch.is_grad_enabled() and _in_autograd_engine():
+            self.totals.recomputed_ops += 1  # the engine runs backward functions with gradients disabled
         self.totals.compute_s[group] += cost.time_s
         self.totals.peak_bytes[group] = max(self.totals.peak_bytes[group], self.live.live_bytes)
         used = self._params_used(inputs)
@@ -261,6 +266,12 @@ class StepTracer:
         """Note the live bytes at the end of the current access."""
         if self._current is not None:
             self._current.live_bytes = self.live.live_bytes
+
+
+def _in_autograd_engine() -> bool:
+    """Whether the autograd engine is running a backward (not ``backward()``'s own set-up, which seeds the
+    gradient with gradients enabled); torch.utils.checkpoint asks the same."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _OpMode(TorchDispatchMode):

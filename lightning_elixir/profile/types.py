@@ -112,6 +112,10 @@ class ModelProfile:
     conditional_params: tuple[str, ...] = ()
     """Parameters of modules whose calls depend on tensor values; also in ``shared_params``, so they get
     private chunks ([Note: value-dependent module calls] in model.py)."""
+    recomputes: bool = False
+    """Whether the step re-runs forward operators in its backward (activation checkpointing), also where no
+    unit's forward hook sees it: a module that checkpoints inside its own forward, as Hugging Face layers
+    do after ``gradient_checkpointing_enable()``, shows no "recompute" access."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
