@@ -473,9 +473,8 @@ def search_with_recomputation(module: torch.nn.Module, profile: ModelProfile, tr
             log.debug("could not trace the step with %d blocks recomputing", len(names), exc_info=err)
             continue
         variants.append(variant)
-        more, failed = search_each([variant], hw, budget, options)
-        found += more
-        failures += failed
+    more, failed = search_each(variants[1:], hw, budget, options)
+    found, failures = found + more, failures + failed
     kept = _kept_activations(skipped, len(blocks)) if pressed else ""  # unasked advice where nothing is short
     if not found:
         least = least_needing(failures)

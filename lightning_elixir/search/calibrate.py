@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lightning_elixir.plan import ElixirPlan
