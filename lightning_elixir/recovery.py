@@ -44,6 +44,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import pickle
 import re
 import time
 import traceback
@@ -62,7 +63,7 @@ from lightning_elixir.runtime.collectives import Group, StepAbandoned
 from lightning_elixir.runtime.emulated import EmulatedOutOfMemoryError
 from lightning_elixir.search.errors import NoPlanFitsError
 from lightning_elixir.search.evaluate import evaluate_plan
-from lightning_elixir.search.report import format_bytes
+from lightning_elixir.search.report import SearchReport, format_bytes
 from lightning_elixir.search.variants import search_variants
 
 log = logging.getLogger(__name__)
@@ -323,14 +324,14 @@ class OutOfMemoryRecovery:
         if self._failed_in_step > self.max_attempts:
             raise ElixirOutOfMemoryError(self._explain(ran_out, f"it ran out {self._failed_in_step} times in a row",
                                                        strategy)) from err
-        plan = self._shared_plan(planning, budget, predicted, group, err)
+        plan, report = self._shared_plan(planning, budget, predicted, group, err)
         group.abandoned[0] = True
         fresh, self._spare = self._spare, None
         assert fresh is not None or group.world_size == 1
         if fresh is not None:
             runtime.regroup(fresh)
             self.prepare(fresh)
-        strategy.switch_plan(plan, grads=self.carries_grads, budget_bytes=budget)
+        strategy.switch_plan(plan, grads=self.carries_grads, budget_bytes=report.budget_bytes, report=report)
         self._carried = self.carries_grads
         assert self.snapshot is not None
         self.snapshot.restore()
@@ -357,30 +358,33 @@ class OutOfMemoryRecovery:
         return [json.loads(store.get(k)) for k in keys]
 
     def _shared_plan(self, planning: Any, budget: int, running_peak: int, group: Group,
-                     err: BaseException) -> ElixirPlan:
+                     err: BaseException) -> tuple[ElixirPlan, SearchReport]:
         """Rank 0's search for ``budget`` (or, below the most frugal plan, that plan while it is predicted
-        below the running plan's ``running_peak``), on every rank (through the store: the old group is in an
-        unknown state)."""
+        below the running plan's ``running_peak``) and its report, on every rank (through the store: the old
+        group is in an unknown state)."""
         if group.rank == 0:
             # every traced recomputation variant: recomputing more may be the cheapest way down ([Note:
             # recomputation variants] in search/variants.py)
             variants, hardware, options = planning.searchable, planning.hardware_profile, planning.options
             try:
-                text = search_variants(variants, hardware, max(budget, 1), options).plan.to_json()
+                found = search_variants(variants, hardware, max(budget, 1), options)
+                payload: tuple[str, Any] = (found.plan.to_json(), found.report)
             except NoPlanFitsError as no_fit:
                 if no_fit.min_device_bytes >= running_peak:  # the most frugal plan is no lower than the running one
-                    text = "!" + str(no_fit).splitlines()[0]
+                    payload = ("!" + str(no_fit).splitlines()[0], None)
                 else:
-                    text = search_variants(variants, hardware, no_fit.min_device_bytes, options).plan.to_json()
+                    found = search_variants(variants, hardware, no_fit.min_device_bytes, options)
+                    payload = (found.plan.to_json(), found.report)
             if group.world_size > 1:
-                _store().set(self._key("plan"), text)
+                _store().set(self._key("plan"), pickle.dumps(payload))
         else:
-            text = _store().get(self._key("plan")).decode()
+            payload = pickle.loads(_store().get(self._key("plan")))  # written by rank 0 of this job
+        text, report = payload
         if text.startswith("!"):
             raise ElixirOutOfMemoryError(
                 f"the step ran out of memory, and no plan fits the budget lowered to {format_bytes(max(budget, 0))} "
                 f"({text[1:]}). " + _advice(planning)) from err
-        return ElixirPlan.from_json(text)
+        return ElixirPlan.from_json(text), report
 
     def _explain(self, ran_out: list[dict[str, Any]], why: str, strategy: Any) -> str:
         attempts = "; ".join(f"step {a.step} ({a.where}): {a.plan}, short by {format_bytes(a.overshoot_bytes)}"

@@ -68,7 +68,7 @@ from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.calibrate import SelfCorrection
-from lightning_elixir.search.report import format_names
+from lightning_elixir.search.report import SearchReport, format_names
 from lightning_elixir.toggling import install_toggling, remove_toggling
 from lightning_elixir.uneven import UnevenSteps
 
@@ -488,11 +488,13 @@ class ElixirStrategy(ParallelStrategy):
         """Whether the running plan may still be replaced after the first steps: plan="auto" with ``replan``."""
         return self.planner is not None and self.planner.may_replan
 
-    def switch_plan(self, plan: ElixirPlan, grads: bool = False, budget_bytes: Optional[int] = None) -> None:
+    def switch_plan(self, plan: ElixirPlan, grads: bool = False, budget_bytes: Optional[int] = None,
+                    report: Optional[SearchReport] = None) -> None:
         """Re-chunk the running model under ``plan``, keeping its values and optimizer state (every rank,
         between optimizer steps, or between micro-batches with ``grads``, which carries the gradients
         accumulated so far; [Note: switching plans] in runtime/replan.py). ``budget_bytes``: the budget
-        ``plan`` was searched for, when it is not the first search's (a recovery lowered it)."""
+        ``plan`` was searched for, when it is not the first search's (a recovery lowered it); ``report``: the
+        search that found it, which the planning then shows instead of the first search's."""
         assert self.runtime is not None
         self.runtime.read_agreement()  # the last step's, before its runtime goes (dropped if its group was given up)
         self._recompute(plan)
@@ -503,7 +505,7 @@ class ElixirStrategy(ParallelStrategy):
         release_pinned_cache(self.root_device)  # the old plan's slabs ([Note: pinned memory in slabs])
         self._runtime_group = self.runtime.group if self._runtime_group is not None else None
         if self.planner is not None:
-            self.planner.switched(plan, budget_bytes)
+            self.planner.switched(plan, budget_bytes, **({"report": report} if report is not None else {}))
 
     def _recompute(self, plan: ElixirPlan) -> None:
         """Checkpoint the blocks ``plan`` recomputes, and only those ([Note: searched recomputation])."""

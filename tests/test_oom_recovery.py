@@ -140,8 +140,11 @@ class Record(Callback):
         strategy, rank = trainer.strategy, trainer.global_rank
         with strategy.gathered_params():
             weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        recovery = strategy.recovery
+        recovery, planning = strategy.recovery, strategy.planning
+        winner = planning.report.winner if planning is not None and planning.report is not None else None
         out = {"rows": self.rows, "plan": strategy.runtime.plan.to_dict(),
+               "planned": None if winner is None else [winner.chunk_numel, winner.peak_bytes,
+                                                       planning.report.budget_bytes, planning.budget_bytes],
                "mean_loss": float(trainer.callback_metrics["mean_loss"]),
                "attempts": [] if recovery is None else [[a.step, a.where, list(a.ranks)] for a in recovery.attempts],
                "adam_steps": sorted({int(s["step"]) for view, s in trainer.optimizers[0].state.items()  # views this
@@ -278,6 +281,17 @@ def test_a_step_that_runs_out_of_memory_is_redone_under_a_smaller_plan(runs, nam
     if name == "accumulating":
         assert len(attempts) == 2 and {a[0] for a in attempts} == {3}
     assert_same_training(runs / name, runs / f"{name}_reference")
+
+
+@pytest.mark.parametrize("name", list(RECOVERED))
+def test_after_a_recovery_the_planning_shows_the_search_that_found_the_running_plan(runs, name):
+    """The report the monitor logs and prints (predicted step, peak) is the recovery's search, on every rank."""
+    for rank in (0, 1):
+        got = result(runs / name, rank)
+        chunk_numel, peak, searched_for, budget = got["planned"]
+        assert chunk_numel == got["plan"]["chunk_numel"]
+        assert searched_for == budget and peak <= budget
+        assert budget < BUDGET  # lowered by the recovery
 
 
 def test_a_recovery_is_logged(runs):

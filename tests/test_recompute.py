@@ -254,8 +254,9 @@ def test_a_recovery_from_a_recomputing_plan_keeps_recomputing(recomputing_planni
 
     planning = recomputing_planning
     peak = planning.report.winner.peak_bytes
-    plan = OutOfMemoryRecovery()._shared_plan(planning, peak - 1, peak, Group(None, 0, 1), RuntimeError())
+    plan, report = OutOfMemoryRecovery()._shared_plan(planning, peak - 1, peak, Group(None, 0, 1), RuntimeError())
     assert plan.recompute == planning.plan.recompute
+    assert report.winner.peak_bytes <= peak - 1 and report.winner.chunk_numel == plan.chunk_numel
 
 
 def test_the_self_correction_keeps_recomputing_what_the_profile_recomputes(recomputing_planning, monkeypatch):
@@ -319,8 +320,8 @@ def test_a_recovery_recomputes_more_blocks_when_that_is_what_fits(recomputing_pl
     needs = _least_needs(recomputing_planning)
     assert needs[blocks] < needs[blocks[1::2]] < needs[()]
     running = _running(recomputing_planning, blocks[1::2], (needs[blocks[1::2]] + needs[()]) // 2)
-    plan = OutOfMemoryRecovery()._shared_plan(running, (needs[blocks] + needs[blocks[1::2]]) // 2,
-                                              running.report.winner.peak_bytes, Group(None, 0, 1), RuntimeError())
+    plan, _ = OutOfMemoryRecovery()._shared_plan(running, (needs[blocks] + needs[blocks[1::2]]) // 2,
+                                                 running.report.winner.peak_bytes, Group(None, 0, 1), RuntimeError())
     assert plan.recompute == blocks
     # below every variant's most frugal plan: the advice does not suggest the recomputation already weighed
     from lightning_elixir.recovery import ElixirOutOfMemoryError
@@ -374,8 +375,8 @@ def test_a_plan_near_its_budget_keeps_the_variants_for_its_recovery():
     assert near.plan == roomy.plan and not near.notes
     assert [v.recompute for v in near.variants] == [(), blocks[1::2], blocks]
     needs = _least_needs(near)
-    plan = OutOfMemoryRecovery()._shared_plan(near, (needs[blocks] + needs[()]) // 2, peak, Group(None, 0, 1),
-                                              RuntimeError())
+    plan, _ = OutOfMemoryRecovery()._shared_plan(near, (needs[blocks] + needs[()]) // 2, peak, Group(None, 0, 1),
+                                                 RuntimeError())
     assert plan.recompute
 
 
