@@ -271,6 +271,8 @@ class ElixirStrategy(ParallelStrategy):
         self._group_timeout_s = collective_timeout_s
         Group(None, 0, 1, collective_timeout_s)  # validates it now, before launch
         self._failed = False
+        self._synced_by: Optional[Any] = None
+        """The layer-sync plugin the running module's layers were converted by (its fit's), if any."""
         self._conditional: tuple[str, ...] = ()
         """Parameters of modules that run on some ranks only, found for a plan given by the user."""
         self._averaging: list[Any] = []
@@ -431,6 +433,7 @@ class ElixirStrategy(ParallelStrategy):
         _refuse_graph_logging(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_unsupported_callbacks(trainer)
+            self._unchunk_for_layer_sync()
         if trainer.state.fn == TrainerFn.FITTING:
             self._saver.prepare_dirs(self, trainer)
         self.accelerator.setup(trainer)
@@ -443,6 +446,7 @@ class ElixirStrategy(ParallelStrategy):
                 # and the optimizers' parameters are those of the converted layers (the parameters keep their
                 # identity); reverted at teardown once the module is plain again.
                 self.model = _apply_layer_sync(self._layer_sync, self.model, self.root_device)
+            self._synced_by = self._layer_sync if trainer.state.fn == TrainerFn.FITTING else None
             self.model = self.precision_plugin.convert_module(self.model)
             if trainer.state.fn == TrainerFn.FITTING and self.planner is not None and not _holds_meta(self.model):
                 # [Note: planning for the optimizer]: the parameters keep their identity when chunked
@@ -460,6 +464,15 @@ class ElixirStrategy(ParallelStrategy):
             self._averaging = install_averages(self, trainer)  # [Note: sharded weight averaging]
         install_rank_hooks(self, trainer)  # [Note: hooks every rank runs]
         self.setup_precision_plugin()
+
+    def _unchunk_for_layer_sync(self) -> None:
+        """A fit with a layer-sync plugin, on the module an evaluation stage of this Trainer left chunked
+        (``unshard_on_teardown=False``) without converting its layers (DDP converts them for fit only): the
+        module is given back plain, to be converted and chunked anew like a new one."""
+        kept = self.runtime is not None and self.runtime.module is self.model
+        if kept and self._layer_sync is not None and self._synced_by is None:
+            self.runtime.restore_module()
+            self.runtime = self.precision_plugin.runtime = None
 
     def _build_runtime(self, trainer: Any) -> ElixirRuntime:
         plan = self._plan_for(trainer)
@@ -977,6 +990,7 @@ class ElixirStrategy(ParallelStrategy):
             trainer = getattr(self.lightning_module, "_trainer", None)
             if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm layers again, as after DDP
+            self._synced_by = None
         if self._recomputation is not None and (self.runtime is None or self._failed):  # the module is the user's
             self._recomputation.remove()  # again, or a new strategy may take it over (a reused runtime re-applies it)
             self._recomputation = None

@@ -133,3 +133,34 @@ def test_sync_batchnorm_on_the_cpu_is_refused_before_training_with_the_module_gi
         trainer.fit(model)
     assert model.kinds == []
     assert not isinstance(model.net[1], nn.SyncBatchNorm)
+
+
+class EvaluatedBatchNormNet(BatchNormNet):
+    def validation_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_a_fit_after_a_stage_that_kept_the_module_chunked_converts_its_layers(tmp_path):
+    """With unshard_on_teardown=False a fit takes over the module the Trainer's last stage left chunked; a
+    validation does not convert the layers (as under DDP), so the fit converts them before it trains."""
+    def fit_once(kept: bool) -> BatchNormNet:
+        os.environ["MASTER_PORT"] = str(free_port())
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ElixirStrategy(plan="zero3", unshard_on_teardown=not kept),
+                            plugins=[GlobalBatchNorm()], max_steps=STEPS, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                            default_root_dir=tmp_path)
+        model = EvaluatedBatchNormNet()
+        if kept:
+            trainer.validate(model, verbose=False)
+        trainer.fit(model)
+        with trainer.strategy.gathered_params():
+            model.final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
+
+    kept, reference = fit_once(kept=True), fit_once(kept=False)
+    assert kept.kinds == reference.kinds == ["_GlobalBatchNorm1d"] * STEPS
+    for key, value in reference.final.items():
+        torch.testing.assert_close(kept.final[key], value, rtol=1e-6, atol=1e-7, msg=key)
