@@ -318,6 +318,8 @@ def _norm_part(g: torch.Tensor, norm_type: float, infinite: bool) -> torch.Tenso
         return g.abs().max().float()
     if g.device.type == "cpu":
         return g.float().abs().pow(norm_type).sum()
+    if g.dtype == torch.float64 or g.is_complex():  # vector_norm's dtype may not narrow, nor make a complex input real
+        return torch.linalg.vector_norm(g, norm_type).pow(norm_type).float()
     return torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).pow(norm_type)
 
 

@@ -1,0 +1,17 @@
+"""Code that runs on an accelerator only, checked on the CPU (meta tensors stand in for device ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_elixir.runtime.optim import _norm_part
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
+def test_norm_part_on_an_accelerator_takes_every_gradient_dtype(dtype):
+    """A float64 or complex gradient shard (64-true, parameters of their own dtype) clipped by norm on a GPU:
+    its part of the norm is a float32 scalar, as for the others."""
+    g = torch.empty(8, dtype=dtype, device="meta")  # not "cpu": the accelerator's branch
+    part = _norm_part(g, 2.0, infinite=False)
+    assert part.dtype == torch.float32 and part.shape == ()
