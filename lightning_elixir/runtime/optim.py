@@ -317,7 +317,7 @@ def _norm_part(g: torch.Tensor, norm_type: float, infinite: bool) -> torch.Tenso
     if infinite:
         return g.abs().max().float()
     if g.device.type == "cpu":
-        return g.float().abs().pow(norm_type).sum()
+        return (g.abs().float() if g.is_complex() else g.float().abs()).pow(norm_type).sum()  # complex: magnitudes
     if g.dtype == torch.float64 or g.is_complex():  # vector_norm's dtype may not narrow, nor make a complex input real
         return torch.linalg.vector_norm(g, norm_type).pow(norm_type).float()
     return torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).pow(norm_type)

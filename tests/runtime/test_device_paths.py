@@ -15,3 +15,9 @@ def test_norm_part_on_an_accelerator_takes_every_gradient_dtype(dtype):
     g = torch.empty(8, dtype=dtype, device="meta")  # not "cpu": the accelerator's branch
     part = _norm_part(g, 2.0, infinite=False)
     assert part.dtype == torch.float32 and part.shape == ()
+
+
+def test_norm_part_of_a_complex_host_shard_counts_its_magnitudes():
+    """An offloaded complex gradient shard (in host memory, also on a GPU machine): |g|, not its real part."""
+    g = torch.tensor([3 + 4j, 1j, -2 + 0j], dtype=torch.complex64)
+    torch.testing.assert_close(_norm_part(g, 2.0, infinite=False), torch.tensor(30.0))
