@@ -64,7 +64,8 @@ class Shadow:
         """``members``: (user param group index, user view, shadow view) for each view in the chunk;
         ``fused_when_unset``: use the fused CPU kernel where the user chose no implementation."""
         self.optimizer = optimizer
-        self.fused = fused_when_unset and type(optimizer) in FUSED_ON_CPU
+        self.fused = (fused_when_unset and type(optimizer) in FUSED_ON_CPU  # the fused kernels take real floats only
+                      and all(shadow.is_floating_point() for _, _, shadow in members))
         self.group_index = sorted({g for g, _, _ in members})
         self.pairs = [(user, shadow) for _, user, shadow in members]
         groups = []
