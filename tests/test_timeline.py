@@ -283,3 +283,14 @@ def test_unknown_keys_and_kinds_are_refused():
     with pytest.raises(TimelineError, match="cannot be compared"):
         _timeline().differences(_timeline(labels=("fwd a",), params_bytes=(1,), grads_bytes=(1,),
                                           optimizer_bytes=(1,), activation_bytes=(1,)))
+
+
+def test_a_step_that_does_not_run_the_model_predicts_an_empty_timeline():
+    """A validation step that logs without calling the model (its profile has no access): nothing to show,
+    and no error for the monitor that draws it."""
+    profile = profile_model(_model("mlp"), _batch("mlp", 0), step_fn=lambda model, batch: None, backward=False)
+    assert profile.accesses == ()
+    for world_size in (1, 2):
+        plan = _plan(profile, 4096, "all", 1, world_size)
+        timeline = predict_timeline(profile, plan, SearchOptions(world_size=world_size), BUDGET_BYTES)
+        assert len(timeline) == 0

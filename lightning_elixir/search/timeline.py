@@ -154,6 +154,8 @@ def _reduce_buffer_bytes(layout: Layout, model: ModelProfile, per: StateBytes) -
     its output too, and none for a chunk on the device)."""
     reduced = reduce_positions(layout, model)
     held = [0] * (len(model.accesses) + 1)
+    if not model.accesses:  # a step that never runs the model: no access holds anything
+        return held
     one = layout.world_size == 1
     for c, retired in _retire_positions(layout, reduced).items():
         spec = layout.chunks[c]
