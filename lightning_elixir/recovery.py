@@ -252,6 +252,12 @@ class OutOfMemoryRecovery:
         self._spare = new_group(group)
         return group
 
+    def release(self) -> None:
+        """Destroy the spare group (the strategy destroys the runtime's own when the stage ends)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            dist.destroy_process_group(spare.pg)
+
     def _check_peers(self) -> None:
         if _store().check([self._key("failed")]):
             raise StepAbandoned("another rank ran out of memory in this step")

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -616,6 +617,21 @@ class ElixirStrategy(ParallelStrategy):
         self._runtime_group = self.recovery.prepare(new_group(group))
         return self._runtime_group
 
+    def _release_groups(self) -> None:
+        """Destroy the process groups ``_group`` made, once the stage's runtime is let go (on every rank, at the
+        same point): a gloo group keeps three threads that wake up on their own, so groups left to every fit of a
+        long-lived process (a sweep, a test suite) add up to a core's worth of idle polling. The finished fit's
+        runtime, which may still gather its optimizer state for a checkpoint, moves to the default group. A group
+        given up after a failure is left alone: destroying it would wait for the collectives it still holds."""
+        if self._runtime_group is None:
+            return
+        if self._finished is not None:
+            self._finished.regroup(Group.default(timeout_s=self._group_timeout_s))
+        group, self._runtime_group = self._runtime_group, None
+        dist.destroy_process_group(group.pg)
+        if self.recovery is not None:
+            self.recovery.release()
+
     @override
     def model_to_device(self) -> None:
         pass  # the runtime places chunks and buffers on the root device
@@ -987,6 +1003,7 @@ class ElixirStrategy(ParallelStrategy):
             self.runtime.restore_module()
             self._finished = self.runtime if self.runtime.optimizers else None
             self.runtime = self.precision_plugin.runtime = None
+            self._release_groups()
             trainer = getattr(self.lightning_module, "_trainer", None)
             if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm layers again, as after DDP

@@ -403,3 +403,37 @@ def test_a_step_redone_after_toggle_optimizer_finds_the_flags_as_before(tmp_path
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
         for key, value in want["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _groups() -> int:
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def fit_and_count_groups(run: Path, world_size: int) -> None:
+    """Two fits, each followed by a validation and a checkpoint of the finished fit's optimizer state; the number
+    of live process groups before, after each stage, and the checkpoint's optimizer state."""
+    run.mkdir(parents=True, exist_ok=True)
+    counts = [_groups()]
+    for i in range(2):
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ElixirStrategy(plan="auto", replan=False),
+                            max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, default_root_dir=run, limit_val_batches=1)
+        model = DropoutGPT()
+        model.validation_step = lambda batch, batch_idx: None
+        trainer.fit(model)
+        counts.append(_groups())
+        trainer.save_checkpoint(run / f"fit{i}.ckpt")  # gathers the state of the finished fit's shards
+        trainer.validate(model, dataloaders=model.train_dataloader(), verbose=False)
+        counts.append(_groups())
+    if trainer.global_rank == 0:
+        state = torch.load(run / "fit1.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+        (run / "groups.json").write_text(json.dumps({"counts": counts, "steps": [int(s["step"]) for s in state.values()]}))
+
+
+def test_the_process_groups_a_stage_makes_for_recovery_go_with_it(tmp_path):
+    """Recovery gives the runtime a process group of its own and a spare on several ranks; each gloo group keeps
+    threads that wake up on their own, so a process that fits again and again (a sweep) must not accumulate them."""
+    fit_on_ranks(2, [(tmp_path, )], fit_fn=fit_and_count_groups)
+    got = json.loads((tmp_path / "groups.json").read_text())
+    assert got["counts"] == [got["counts"][0]] * 5
+    assert got["steps"] and set(got["steps"]) == {2}  # the finished fit's shards still gathered for the checkpoint
