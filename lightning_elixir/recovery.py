@@ -37,6 +37,11 @@ of an accumulating step after some of its gradients were reduced (the sums canno
 under manual optimization once an optimizer has stepped in the attempt, and plans that were not
 searched (a plan given by the user, or the untraced fallback): those out-of-memory errors propagate
 unchanged, as with ``oom_recovery=False``.
+
+The runtime's group and the spare live as long as the stage's runtime: the strategy destroys them
+when it lets the runtime go at the end of the stage (each gloo group keeps threads of its own that
+wake up without work). A group given up by a recovery is left as it is: it may still hold
+collectives that some ranks never issued, and destroying it would wait for them.
 """
 
 from __future__ import annotations
