@@ -236,10 +236,12 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
     local = _ranks_per_machine(hardware, devices, inputs.num_nodes)
     budget = _budget_bytes(hardware, device_memory_limit, local)
     host_bytes = _host_bytes(host_memory_limit, local)
-    def traced(names: tuple[str, ...] = ()) -> Any:
+
+    def traced(names: tuple[str, ...] = (), conditional: Optional[tuple[str, ...]] = None) -> Any:
         with recomputing(inputs.module, names):
             profile = profile_model(inputs.module, inputs.batch, compute_dtype=policy.autocast_dtype or policy.compute_dtype,
-                                    hardware=hardware, device="cpu", param_dtype=policy.compute_dtype)
+                                    hardware=hardware, device="cpu", param_dtype=policy.compute_dtype,
+                                    conditional_params=conditional)
         return with_private_params(profile, inputs.strategy.get("private_params", ()))
 
     early = updates_start_in_backward(inputs.module, inputs.strategy.get("updates_in_backward"),
@@ -247,7 +249,9 @@ def plan_config(inputs: ConfigInputs, hardware: HardwareProfile, devices: int, d
                                       inputs.gradient_clip_val)  # the config's callbacks are not built
     options = search_options(devices, inputs.micro_batches, policy.compute_dtype, policy.autocast_dtype,
                              nvme_available=nvme, host_memory_bytes=host_bytes, updates_in_backward=early)
-    best, variants, notes = search_with_recomputation(inputs.module, traced(), traced, hardware, budget, options)
+    base = traced()  # a variant runs the same module calls: the same value-dependent ones
+    best, variants, notes = search_with_recomputation(
+        inputs.module, base, lambda names: traced(names, base.conditional_params), hardware, budget, options)
     return PlanningResult(best.plan, best.report, best.variant.profile, hardware, budget, options=options,
                           notes=notes + _notes(hardware, devices, host_bytes, early), variants=variants)
 

@@ -426,9 +426,10 @@ def _plan(trace: Callable[..., ModelProfile], what: str, *, module: torch.nn.Mod
             options = dataclasses.replace(options, host_memory_bytes=_least(options.host_memory_bytes, device, group))
 
         def traced(names: tuple[str, ...]) -> ModelProfile:
-            with recomputing(module, names):
+            with recomputing(module, names):  # the same module calls: the same value-dependent ones
                 return with_private_params(trace(compute_dtype=autocast_dtype or compute_dtype, hardware=hw,
-                                                 device=device, param_dtype=compute_dtype), private_params)
+                                                 device=device, param_dtype=compute_dtype,
+                                                 conditional_params=profile.conditional_params), private_params)
 
         best, variants, notes = search_with_recomputation(module, profile, traced, hw, budget, options)
         seconds["search"] = time.perf_counter() - clock

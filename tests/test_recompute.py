@@ -428,3 +428,41 @@ def test_a_model_that_checkpoints_inside_its_layers_is_left_as_it_is(reentrant):
         search_with_recomputation(model, profile, counted, hardware(world_size=1), 1,
                                   search_options(1, 1, torch.float32, None))
     assert asked == ([] if reentrant is not None else [("2", "4"), ("1", "2", "3", "4")])
+
+
+class _GatedGPT(torch.nn.Module):
+    """The long GPT and an expert that runs only when the batch says so (a value-dependent module call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT(LONG)
+        self.expert = torch.nn.Linear(LONG.vocab_size, LONG.vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        if bool((idx[:, 0] == 0).any()):
+            logits = logits + self.expert(logits)
+        return logits
+
+
+def test_recomputation_variants_reuse_the_value_dependent_modules_found_once(monkeypatch):
+    """Finding the modules whose calls depend on values takes a second trace of the step; a recomputation
+    variant makes the same module calls, so its trace takes the finding over instead of tracing twice."""
+    import lightning_elixir.profile.model as model_module
+
+    calls = []
+    found = model_module._value_dependent
+    monkeypatch.setattr(model_module, "_value_dependent", lambda *args: calls.append(1) or found(*args))
+    model = _GatedGPT()
+    blocks = block_names(model)
+    budget = (_least_need(model) + _least_need(model, blocks)) // 2
+    calls.clear()
+    planning = plan_automatically(model, _batch(), device=torch.device("cpu"), group=Group(None, 0, 1),
+                                  compute_dtype=torch.float32, autocast_dtype=None, micro_batches=1,
+                                  memory_limit=budget, step_fn=_step)
+    assert planning.plan.recompute and len(planning.variants) == 3
+    assert calls == [1]
+    for variant in planning.variants:
+        assert variant.profile.conditional_params == ("expert.weight", "expert.bias")
+        assert {"expert.weight", "expert.bias"} <= set(variant.profile.shared_params)  # given private chunks

@@ -72,6 +72,7 @@ def profile_model(
     param_dtype: torch.dtype | None = None,
     backward: bool = True,
     configured: tuple[list[Any], list[Any]] | None = None,
+    conditional_params: tuple[str, ...] | None = None,
 ) -> ModelProfile:
     """Run one step of ``module`` on fake tensors and record what it does.
 
@@ -99,6 +100,9 @@ def profile_model(
         configured: The optimizers and LR schedulers ``configure_optimizers`` returned, when already
             made: a manually optimizing step's ``self.optimizers()`` stands in for those. Default: the
             stand-ins call ``configure_optimizers`` once per trace, when the step asks for them.
+        conditional_params: The parameters of value-dependent modules, when a trace of the same step
+            already found them (``ModelProfile.conditional_params``; the planner's recomputation
+            variants run the same module calls): the second trace that would find them is skipped.
 
     Returns:
         The ModelProfile of one step.
@@ -122,8 +126,14 @@ def profile_model(
         _trace_opposite_or_raise(module, batch, step_fn, tracer, settings, failed)
         assumed = False  # one trace ran: nothing to compare it with
     profile = _assemble(table, tracer, tracer.finish(), compute_dtype)
-    if assumed:
-        profile = _with_conditional(profile, table, _value_dependent(module, batch, step_fn, table, settings, profile))
+    if conditional_params is not None:
+        profile = _with_conditional(profile, conditional_params)
+    elif assumed:
+        modules = _value_dependent(module, batch, step_fn, table, settings, profile)
+        if modules:
+            log.info("modules whose calls depend on tensor values (%s) get private chunks: every rank gathers them "
+                     "for the whole step, so ranks may skip them", ", ".join(modules))
+        profile = _with_conditional(profile, tuple(dict.fromkeys(n for m in modules for n in table.units.get(m, ()))))
     log.debug("profiled %d parameters, %d accesses in %.2f s", len(profile.params), len(profile.accesses),
               time.perf_counter() - start_s)
     return profile
@@ -204,13 +214,10 @@ def _forward_calls(accesses: Iterable[Access]) -> Counter:
     return Counter(a.module for a in accesses if a.phase == "forward" and not a.op)
 
 
-def _with_conditional(profile: ModelProfile, table: ParamTable, modules: list[str]) -> ModelProfile:
-    """The profile with the parameters of value-dependent ``modules`` listed (and given private chunks)."""
-    names = tuple(dict.fromkeys(n for m in modules for n in table.units.get(m, ())))
+def _with_conditional(profile: ModelProfile, names: tuple[str, ...]) -> ModelProfile:
+    """The profile with the parameters of value-dependent modules, ``names``, listed (and given private chunks)."""
     if not names:
         return profile
-    log.info("modules whose calls depend on tensor values (%s) get private chunks: every rank gathers them "
-             "for the whole step, so ranks may skip them", ", ".join(modules))
     return dataclasses.replace(profile.with_private(names), conditional_params=names)
 
 
