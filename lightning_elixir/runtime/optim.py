@@ -158,8 +158,11 @@ def _stepped(state: dict) -> bool:
 
 def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
     """``optimizer.add_param_group`` later in training (a layer unfrozen and given to the optimizer)
-    takes the module's parameters and adds their shard views, as the constructor's groups were."""
+    takes the module's parameters and adds their shard views, as the constructor's groups were. After a
+    switch of plans the optimizer is sharded again: the new wrapper wraps what the old one wrapped, which
+    would otherwise keep the old runtime alive and hand it the new runtime's views."""
     add = optimizer.add_param_group
+    add = getattr(add, "_elixir_wrapped", add)
 
     def add_param_group(param_group: dict) -> None:
         params = param_group["params"]
@@ -172,6 +175,7 @@ def _shard_added_groups(runtime, optimizer: Optimizer) -> None:
         elif any(runtime.where(p)[0].offloaded for p in params):  # their updates run on the host, as the rest's
             runtime.offload.reattach(optimizer, runtime.view_index())
 
+    add_param_group._elixir_wrapped = add  # type: ignore[attr-defined]
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 

@@ -621,6 +621,45 @@ def test_the_module_gets_its_parameters_back_in_their_own_layout(switch):
     assert not hasattr(model.w, "_elixir_stride")
 
 
+def test_switches_of_plans_let_the_old_runtimes_go_and_add_param_group_still_works():
+    """Each switch of plans shards the same optimizer again: the old runtimes are not kept alive by it (their
+    chunks and state freed), and a group added after the switches takes the module's parameters."""
+    import gc
+    import weakref
+
+    from lightning_elixir.runtime.replan import switch_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    model[0].requires_grad_(False)
+    reference[0].requires_grad_(False)
+    runtime = ElixirRuntime(model, ElixirPlan(chunk_numel=64))
+    opt = shard_optimizer(runtime, torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(reference[1].parameters(), lr=0.1, momentum=0.9)
+    old = []
+    for step in range(4):
+        if step in (1, 2):
+            old.append(weakref.ref(runtime))
+            runtime = switch_plan(runtime, ElixirPlan(chunk_numel=64 + 32 * step))
+        if step == 3:
+            for m, o in ((model, opt), (reference, ref_opt)):
+                m[0].requires_grad_(True)
+                o.add_param_group({"params": m[0].parameters(), "lr": 0.5})
+        x = torch.full((2, 8), 1.0 + step)
+        model(x).sum().backward()
+        optimizer_step(runtime, opt)
+        opt.zero_grad()
+        reference(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    gc.collect()
+    assert [r() for r in old] == [None, None]
+    runtime.restore_module()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(reference.named_parameters())[name], msg=name)
+
+
 def test_one_rank_keeps_the_agreement_on_the_host(monkeypatch):
     """With one rank the agreement reduces nothing: its values are not copied to the device and back
     (on a GPU, a pinned buffer, a copy each way and an event per optimizer step)."""
