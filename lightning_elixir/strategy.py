@@ -995,7 +995,7 @@ class ElixirStrategy(ParallelStrategy):
             self.runtime.read_agreement()  # the last optimizer step's ([Note: reading the agreement later])
         if self.runtime is not None and self._failed:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
-                self.runtime.offload.close()  # the shards stay; NVMe files go
+                self.runtime.offload.close(keep_files=True)  # the shards stay, on NVMe too, for the next stage
             log.warning("Elixir: the stage failed, so the module keeps its shards (gathering them could wait on "
                         "ranks that failed): the next stage, on this Trainer or another, gathers them back, and "
                         "until then `with trainer.strategy.gathered_params():` reads them (on every rank)")

@@ -364,3 +364,47 @@ def test_the_fp16_loss_scale_crosses_to_and_from_lightnings_mixed_precision_chec
     ours_first.on_load_checkpoint({**checkpoint, "MixedPrecision": saved})
     ours_first.load_state_dict(checkpoint["ElixirPrecision"])
     assert ours_first.scaler.scale == 2.0 ** 13
+
+
+class _FailsOnce(_Linear):
+    """Raises in its second training step the first time it is fitted."""
+
+    failed = False
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in the step")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("placement", ["device", "nvme"])
+def test_a_module_whose_fit_failed_is_fitted_again_from_where_it_stopped(tmp_path, placement):
+    """The failed stage keeps the module's shards, NVMe files included, and the next fit of the module gathers
+    them back: it ends where the same fits of a device plan end."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    torch.manual_seed(0)
+    model = _FailsOnce()
+    specs = resolve_specs(model, ElixirPlan(), world_size=1)
+    plan = ElixirPlan(chunks=tuple(dataclasses.replace(s, placement=placement) for s in specs), world_size=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2)),
+                                       batch_size=4)
+    for attempt in range(2):
+        os.environ["MASTER_PORT"] = str(free_port())
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ElixirStrategy(plan=plan, nvme_path=nvme),
+                            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False)
+        with pytest.raises(RuntimeError, match="a bug in the step") if attempt == 0 else contextlib.nullcontext():
+            trainer.fit(model, data)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any(nvme.iterdir()), "the last fit's teardown leaves no NVMe files"
+    torch.manual_seed(0)
+    reference = _Linear()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in [*list(data)[:1], *list(data)]:  # the failed fit's one step, then the second fit's two
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference.layer(x), y).backward()
+        optimizer.step()
+    torch.testing.assert_close(model.layer.weight, reference.layer.weight)
+    torch.testing.assert_close(model.layer.bias, reference.layer.bias)

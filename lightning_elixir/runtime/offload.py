@@ -511,15 +511,16 @@ class OffloadEngine:
             return 0
         return sum(entry.stat().st_size for entry in os.scandir(self.store.path) if entry.is_file())
 
-    def close(self) -> None:
-        """Finish in-flight updates, stop the worker, remove the NVMe files."""
+    def close(self, keep_files: bool = False) -> None:
+        """Finish in-flight updates, stop the worker, remove the NVMe files (``keep_files``: leave them to a
+        later gather of the module, and to the store's own clean-up when it goes)."""
         try:
             self.settle()
         finally:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
                 self._worker = None
-            if self.store is not None:
+            if self.store is not None and not keep_files:
                 self.store.close()
                 self.store = None
 
