@@ -3,7 +3,7 @@
 Five fits from the same weights and data:
 
 1. "measured": plan="auto" on this machine's measured profile, ``replan=False``: the true profile's plan;
-2. "wrong": plan="auto" with that profile's collectives 10x too slow ([Note: self-correction]): after its
+2. "wrong": plan="auto" with that profile's collectives 50x too slow ([Note: self-correction]): after its
    calibration steps the monitor finds the step far faster than predicted, fits the collectives'
    bandwidth above 1, searches again on the calibrated profiles and ends on their plan,
    switching when the wrong profile chose another (margin 0: whether a switch happens at all depends on
@@ -91,12 +91,14 @@ def fit(run: Path, world_size: int, plan, hardware: Optional[str], replan: bool)
     run.mkdir(parents=True, exist_ok=True)
     (run / "losses").mkdir(exist_ok=True)
     rank = torch.distributed.get_rank()
-    # The measured profile of fit 1, with collectives 10x slower than measured. Not faster: the step of this
-    # model is not all collectives, so a profile 10x too fast predicts it within 15% whenever the machine
-    # ran faster during the fit than during fit 1's measurement (it is shared); 10x too slow never is.
+    # The measured profile of fit 1, with collectives 50x slower than measured. Not faster: the step of this
+    # model is not all collectives, so a profile far too fast predicts it within 15% whenever the machine
+    # ran faster during the fit than during fit 1's measurement (it is shared). 10x too slow was not enough
+    # either: under a full second test job the step ran 4x slower than fit 1 measured, and 10x slower
+    # collectives then predicted it within 15%.
     if hardware == "wrong":
         measured = HardwareProfile.from_json(run.parent / "measured" / f"hardware{rank}.json")
-        hardware = scale_collectives(measured, 0.1)
+        hardware = scale_collectives(measured, 0.02)
     callbacks = []
     if plan == "by hand":
         plan, callbacks = FIRST, [SwitchByHand()]
@@ -144,13 +146,13 @@ def test_wrong_profile_is_calibrated_and_ends_on_the_calibrated_searchs_plan(run
 
     Whether that is the plan fit 1 chose on its own measured profile is not asserted: the two fits
     measure this shared machine at different moments, and on 2 loaded cores the collectives' speed
-    moves by 2x between them (one run calibrated the 10x error to 0.20, not 0.10), which is enough to
+    moves by 2x between them (one run calibrated a 10x error to 0.20, not 0.10), which is enough to
     flip a choice between plans predicted within 10% of each other. tests/search/test_calibrate.py
     shows the convergence on fixed profiles.
     """
     for rank in planned(runs["wrong"]):
         decision = rank["decision"]
-        assert decision is not None and decision["outcome"] != "within", decision  # 10x off: far beyond 15%
+        assert decision is not None and decision["outcome"] != "within", decision  # 50x off: far beyond 15%
         assert decision["bandwidth_scale"] > 1.0  # the collectives were found faster than the profile said
         # the calibrated profiles predict the running plan as it was measured...
         assert rank["calibrated_over_measured"] == pytest.approx(1.0, abs=0.15), decision["reason"]
