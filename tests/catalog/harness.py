@@ -318,6 +318,7 @@ def _worker(rank: int, store_port: int, cases: list[str], strategy: str, out_dir
             generation += 1
             init_group()
         gc.collect()
+        gc.freeze()  # what is still alive stays: later collections, per case and automatic, skip it
     dist.destroy_process_group()
 
 
