@@ -1,4 +1,5 @@
-"""A spawn launcher whose rank-0 results carry the gathered weights, not the chunk placeholders."""
+"""Lightning's multiprocessing launcher (spawn, fork, forkserver), whose rank-0 results carry the gathered
+weights, not the chunk placeholders."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from typing_extensions import override
 
 
 class ElixirSpawnLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, with the final weights gathered through the strategy."""
+    """Lightning's multiprocessing launcher, with the final weights gathered through the strategy."""
 
-    def __init__(self, strategy: Any) -> None:
-        super().__init__(strategy, start_method="spawn")
+    def __init__(self, strategy: Any, start_method: str = "spawn") -> None:
+        super().__init__(strategy, start_method=start_method)
 
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:

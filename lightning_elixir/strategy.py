@@ -75,6 +75,9 @@ from lightning_elixir.uneven import UnevenSteps
 
 log = logging.getLogger(__name__)
 
+START_METHODS = ("popen", "fork", "spawn", "forkserver")
+"""How the ranks of one machine start: a script run per rank (as DDP's default), or Lightning's multiprocessing."""
+
 _SHARDED_DIR = "_elixir_sharded_dir"
 """A checkpoint dict read from a sharded checkpoint: the directory whose shards load after the hooks."""
 
@@ -199,7 +202,9 @@ class ElixirStrategy(ParallelStrategy):
             either way. None (default): on an accelerator only; on a CPU-only machine the host is the
             device, and an update started in backward competes with it for the same cores. False:
             always at the step.
-        start_method: "popen" (re-run the script per rank; also torchrun/SLURM) or "spawn".
+        start_method: "popen" (re-run the script per rank; also torchrun/SLURM), "fork" (the one that works in
+            a Jupyter notebook, as Lightning's "ddp_notebook"; nothing may initialise CUDA before fit), "spawn"
+            or "forkserver" (the module and everything fit is given are pickled to every rank).
         process_group_backend: defaults to NCCL on GPUs and gloo on the CPU.
         timeout: process group timeout.
         broadcast_buffers: as DDP's option of that name (on by default): every rank gets rank 0's
@@ -234,8 +239,9 @@ class ElixirStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         # Every input that can be checked without the model, the devices or the process group is
         # checked here, so that a mistake fails at construction rather than after launch and profiling.
-        if not isinstance(start_method, str) or start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method={start_method!r}: use 'popen' or 'spawn'")
+        if not isinstance(start_method, str) or start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r}: use 'popen' (a script run once per rank; torchrun, "
+                             "SLURM), 'fork' (a notebook), 'spawn' or 'forkserver'")
         self.plan = resolve_plan(plan)
         self.private_params = check_private_params(private_params, self.plan)
         # What the planning inputs would be ignored by: None for plan="auto".
@@ -360,8 +366,8 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "spawn":
-            self._launcher = ElixirSpawnLauncher(self)
+        if self._start_method != "popen":
+            self._launcher = ElixirSpawnLauncher(self, self._start_method)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -1027,5 +1033,7 @@ class ElixirStrategy(ParallelStrategy):
                                    plan="auto")
         strategy_registry.register("elixir_spawn", cls, description="Elixir with start_method='spawn'",
                                    plan="auto", start_method="spawn")
+        strategy_registry.register("elixir_notebook", cls, description="Elixir with start_method='fork', for "
+                                   "Jupyter notebooks", plan="auto", start_method="fork")
         for name in ("zero2", "zero3"):
             strategy_registry.register(f"elixir_{name}", cls, description=f"Elixir with the fixed {name} plan", plan=name)

@@ -289,9 +289,10 @@ def test_private_params_in_a_public_chunk_of_the_layout_are_refused():
 
 
 def test_other_constructor_inputs():
-    with pytest.raises(ValueError, match="start_method='fork': use 'popen' or 'spawn'"):
-        ElixirStrategy(start_method="fork")
-    with pytest.raises(ValueError, match="start_method=None: use 'popen' or 'spawn'"):
+    with pytest.raises(ValueError, match=r"start_method='threads': use 'popen' \(a script run once per rank; "
+                                         r"torchrun, SLURM\), 'fork' \(a notebook\), 'spawn' or 'forkserver'"):
+        ElixirStrategy(start_method="threads")
+    with pytest.raises(ValueError, match="start_method=None: use 'popen'"):
         ElixirStrategy(start_method=None)
     with pytest.raises(ValueError, match="process_group_backend=3: use a torch.distributed backend name"):
         ElixirStrategy(process_group_backend=3)

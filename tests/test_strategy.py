@@ -7,7 +7,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -59,9 +62,27 @@ def _trainer(tmp_path, strategy, max_epochs, callbacks, **kwargs) -> L.Trainer:
 
 
 def test_strategy_names_are_registered():
-    for name in ("elixir", "elixir_zero2", "elixir_zero3", "elixir_spawn"):
+    for name in ("elixir", "elixir_zero2", "elixir_zero3", "elixir_spawn", "elixir_notebook"):
         assert name in StrategyRegistry
     assert isinstance(StrategyRegistry.get("elixir_zero3"), ElixirStrategy)
+
+
+def test_a_notebook_trains_with_elixir_notebook_as_with_ddp_notebook(tmp_path):
+    """In an interactive session Lightning accepts only ranks that fork (spawn is refused, as it is for DDP):
+    "elixir_notebook" fits a module defined in ``__main__`` on two ranks, and the weights and loss that come
+    back to the notebook's process are DDP's (tests/notebook_session.py)."""
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, "-m", "tests.notebook_session", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert "not compatible with an interactive environment" in results["elixir_spawn"]
+    elixir, ddp = results["elixir_notebook"], results["ddp_notebook"]
+    assert elixir["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
+    for name, initial in results["initial"].items():
+        torch.testing.assert_close(torch.tensor(elixir["weights"][name]), torch.tensor(ddp["weights"][name]),
+                                   rtol=1e-5, atol=1e-6)
+        assert not torch.equal(torch.tensor(elixir["weights"][name]), torch.tensor(initial)), name
 
 
 def test_pytorch_lightning_trainer_runs_the_mirrored_strategy():
