@@ -2920,8 +2920,9 @@ def _generator_data() -> dict[str, Any]:
     """A generator of this rank's batches handed to fit (Lightning takes any iterable): it can be read once."""
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    batches = list(loader(cls_set(seed=0)))[rank::2]
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    batches = list(loader(cls_set(seed=0)))
+    batches = batches[:len(batches) // world_size * world_size][rank::world_size]  # as many on every rank
     return dict(train=(b for b in batches), val=loader(cls_set(seed=1)))
 
 
