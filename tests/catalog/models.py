@@ -2429,7 +2429,7 @@ class OneCycle(Classifier):
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=8, base_momentum=0.5,
                                                         max_momentum=0.95)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.1)  # any world size
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "mean_loss", "interval": "step"}}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
