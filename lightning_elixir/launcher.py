@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 
-class ElixirSpawnLauncher(_MultiProcessingLauncher):
+class ElixirMultiprocessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, with the final weights gathered through the strategy."""
 
     def __init__(self, strategy: Any, start_method: str = "spawn") -> None:

@@ -47,7 +47,7 @@ from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model,
                                             sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
 from lightning_elixir.finetuning import install_finetuning, planned_trainable, remove_finetuning
-from lightning_elixir.launcher import ElixirSpawnLauncher
+from lightning_elixir.launcher import ElixirMultiprocessingLauncher
 from lightning_elixir.monitor import ElixirMonitor
 from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult, value_dependent_params
@@ -367,7 +367,7 @@ class ElixirStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method != "popen":
-            self._launcher = ElixirSpawnLauncher(self, self._start_method)
+            self._launcher = ElixirMultiprocessingLauncher(self, self._start_method)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
