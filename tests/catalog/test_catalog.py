@@ -15,11 +15,11 @@ CATALOG_WORLD_SIZE=3 (or 4) to run the cases on that many ranks instead of two.
 At two ranks a sum of two parts is the same in any order, so every plan's reductions equal DDP's to
 the bit. From three on, gloo's sum of an element depends on where it lies in the reduced buffer (an
 all-reduce of a rolled buffer, rolled back, differs in about a third of its elements at 3 ranks), and
-DDP's buckets and Elixir's chunks lay the parameters out differently. Adam turns that rounding into a
-whole step wherever the gradient is zero but for rounding, or nearly zero: attention key biases
-(softmax ignores them), a LoRA A matrix while its B is still zero, an element of an embedding. At 3 ranks such weights of
-hf_llama, hf_vit, hf_swin and bf16_hf_llama_lora end outside the two-rank tolerances under every
-layout; the losses, and every other weight, agree.
+DDP's buckets and Elixir's chunks lay the parameters out differently. Adam turns that rounding into
+a whole step wherever the gradient is zero but for rounding, or nearly zero: attention key biases
+(softmax ignores them), a LoRA A matrix while its B is still zero, single elements of a weight. At 3
+ranks hf_llama, hf_vit, hf_swin and bf16_hf_llama_lora end with such elements (one or two per weight,
+or a LoRA matrix) outside the two-rank tolerances, alike under every Elixir layout; their losses agree.
 """
 
 from __future__ import annotations
