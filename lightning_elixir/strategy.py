@@ -24,6 +24,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities import imports as fabric_imports
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
@@ -370,6 +371,12 @@ class ElixirStrategy(ParallelStrategy):
             self._launcher = ElixirMultiprocessingLauncher(self, self._start_method)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if fabric_imports._IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
+            # before Lightning's own refusal, which names only "ddp_notebook"
+            raise ValueError(f"start_method={self._start_method!r} cannot start ranks from an interactive session (a "
+                             f"Jupyter notebook): use Trainer(strategy='elixir_notebook'), or "
+                             f"ElixirStrategy(start_method='fork', ...) with your options (their ranks fork; nothing "
+                             f"may use CUDA before fit), or run the code as a script")
 
     @override
     def setup_environment(self) -> None:
