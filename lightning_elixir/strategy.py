@@ -374,9 +374,9 @@ class ElixirStrategy(ParallelStrategy):
         if fabric_imports._IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
             # before Lightning's own refusal, which names only "ddp_notebook"
             raise ValueError(f"start_method={self._start_method!r} cannot start ranks from an interactive session (a "
-                             f"Jupyter notebook): use Trainer(strategy='elixir_notebook'), or "
-                             f"ElixirStrategy(start_method='fork', ...) with your options (their ranks fork; nothing "
-                             f"may use CUDA before fit), or run the code as a script")
+                             "Jupyter notebook): use Trainer(strategy='elixir_notebook'), or "
+                             "ElixirStrategy(start_method='fork', ...) with your options (their ranks fork; nothing "
+                             "may use CUDA before fit), or run the code as a script")
 
     @override
     def setup_environment(self) -> None:

@@ -19,7 +19,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PRELOAD = ("torch", "lightning.pytorch", "lightning_elixir", __name__)
-"""What the fork server imports before it forks the first rank (a test's own module is added on its first call)."""
+"""What the fork server imports before it forks its first process, besides the modules of the first call."""
+
+
+def fork_server(*modules: str) -> Any:
+    """multiprocessing's fork server context, importing ``PRELOAD`` and ``modules`` before its first fork.
+
+    The server starts once per session: only the first call's ``modules`` are imported there, and a
+    later caller's module is imported by each process it forks (after torch and Lightning, which is cheap)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*PRELOAD, *modules])
+    return context
 
 
 def free_port() -> int:
@@ -43,8 +53,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
-    # only the first call's list counts: the fork server starts once
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, fn.__module__])
+    fork_server(fn.__module__)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, dict(os.environ)),
                            nprocs=world_size, join=True, start_method="forkserver")

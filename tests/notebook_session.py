@@ -12,13 +12,13 @@ sys.ps1 = ">>> "  # before Lightning is imported: it reads this once
 
 import json  # noqa: E402
 import os  # noqa: E402
-import socket  # noqa: E402
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_elixir  # noqa: E402,F401  (registers the strategies)
+from tests.distributed import free_port  # noqa: E402
 
 
 class NotebookModel(L.LightningModule):
@@ -44,9 +44,7 @@ def data() -> DataLoader:
 
 
 def trainer(strategy: str) -> L.Trainer:
-    with socket.socket() as s:  # a fresh port per fit
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ["MASTER_PORT"] = str(free_port())  # a fresh port per fit
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 

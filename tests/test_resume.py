@@ -25,7 +25,6 @@ every step, so a scheduler that restarted would change every loss after the resu
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_elixir.demos.gpt import GPT, GPTConfig
 from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.runtime.sharded import convert_sharded_to_full
-from tests.distributed import free_port
+from tests.distributed import fork_server, free_port
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, bias=False)
 GLOBAL_BATCH = 4
@@ -157,7 +156,7 @@ def fit_on_ranks(world_size: int, fits: list[tuple], fit_fn=None) -> None:
     (and so torch and Lightning) once, rather than once per rank: on a machine with fewer cores than
     ranks, the imports would take most of the time."""
     fit_fn = fit_fn or fit
-    multiprocessing.get_context("forkserver").set_forkserver_preload(sorted({__name__, fit_fn.__module__}))
+    fork_server(*sorted({__name__, fit_fn.__module__}))
     mp.start_processes(_fits_on_rank, args=(world_size, free_port(), fits, fit_fn), nprocs=world_size,
                        start_method="forkserver")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 import os
 import random
 import re
@@ -28,7 +27,7 @@ from lightning_elixir import ElixirPlan, ElixirStrategy
 from lightning_elixir.checkpoint_io import AtomicCheckpointIO, is_temp_name
 from lightning_elixir.runtime.runtime import ElixirRuntime
 from lightning_elixir.runtime.sharded import convert_sharded_to_full, read_checkpoint
-from tests.distributed import free_port
+from tests.distributed import fork_server, free_port
 from tests.test_strategy import DATA, MODEL, LossRecorder, _losses
 
 
@@ -191,8 +190,7 @@ def test_sharded_saves_killed_at_random_points_leave_whole_checkpoints_and_the_n
 
     The fits are forked from multiprocessing's fork server, which imports torch and Lightning once. Between
     fits, the test deletes the checkpoints it checked but the newest, to bound the disk space used."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context = fork_server(__name__)
     directory = tmp_path / "ckpt"
     leftovers, newest, newest_step, swept = [], None, 0, 0
     for seed in range(10):
