@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -20,8 +21,13 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_elixir.checkpoint_io import (AtomicCheckpointIO, checkpoint_dir_problem, made_for_a_probe, remove_dir,
                                            replace_dir, temp_name)
 from lightning_elixir.runtime.full_file import Records, drain, filled, write_torch_file
-from lightning_elixir.runtime.sharded import save_sharded
-from lightning_elixir.runtime.state_dict import deferred_records
+from lightning_elixir.runtime.sharded import AVERAGE_IN_STATE_DICT, load_sharded, read_checkpoint, save_sharded
+from lightning_elixir.runtime.state_dict import (check_keys, deferred_records, full_optimizer_state_dict,
+                                                 load_full_optimizer_state_dict, load_full_state_dict)
+
+
+SHARDED_DIR = "_elixir_sharded_dir"
+"""A checkpoint dict read from a sharded checkpoint: the directory whose shards load after the hooks."""
 
 
 class CheckpointSaver:
@@ -167,8 +173,6 @@ def _check_unedited(checkpoint: dict[str, Any]) -> None:
     """A sharded save writes the model and optimizer state from each rank's shards, under the model's own
     names, and gives ``on_save_checkpoint`` hooks them empty: refuse what the hooks put there rather than
     drop it (a weight-averaging callback's layout is the strategy's own, [Note: sharded weight averaging])."""
-    from lightning_elixir.runtime.sharded import AVERAGE_IN_STATE_DICT
-
     if AVERAGE_IN_STATE_DICT in checkpoint:
         return
     if checkpoint.get("state_dict") or any(checkpoint.get("optimizer_states") or ()):
@@ -201,9 +205,12 @@ class OptimizerStateInShards(dict):
     the per-element state is read from the shards after them (into this rank's views)."""
 
 
-def sharded_checkpoint_for_hooks(meta: dict[str, Any], stored: Any, fitting: bool) -> dict[str, Any]:
-    """What Lightning's hooks see of a sharded checkpoint before it is loaded: every ``state_dict`` key
-    with its shape and dtype, and each optimizer's param groups (hyperparameters they may change)."""
+def sharded_checkpoint_for_hooks(path: str, fitting: bool) -> dict[str, Any]:
+    """What Lightning's hooks see of the sharded checkpoint in ``path`` before it is loaded: every ``state_dict``
+    key with its shape and dtype, and each optimizer's param groups (hyperparameters they may change; restored
+    only to fit, as Lightning does), with the directory to load from after them under ``SHARDED_DIR``. The
+    directory is checked whole now, before any hook runs."""
+    meta, stored = read_checkpoint(path)
     shapes, entries = meta["shapes"], stored.state_dict_metadata
     state_dict: dict[str, Any] = {}
     for key, name in meta["keys"]:
@@ -213,10 +220,45 @@ def sharded_checkpoint_for_hooks(meta: dict[str, Any], stored: Any, fitting: boo
         shape = shapes.get(name, tuple(getattr(entry, "size", ())))
         state_dict[key] = StoredInShards(key, shape, entry.properties.dtype)
     if meta.get("weights_only"):  # no optimizer state, so that a resume fails with Lightning's own error, as with DDP's
-        return {**meta["extra"], "state_dict": state_dict}
+        return {**meta["extra"], "state_dict": state_dict, SHARDED_DIR: path}
     optimizer_states = [{"state": OptimizerStateInShards(), "param_groups": copy.deepcopy(o["param_groups"])}
                         for o in meta["optimizers"]] if fitting else []
-    return {**meta["extra"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+    return {**meta["extra"], "state_dict": state_dict, "optimizer_states": optimizer_states, SHARDED_DIR: path}
+
+
+def load_model(runtime: Any, checkpoint: Mapping[str, Any], strict: bool) -> None:
+    """Load the model from a checkpoint as it stands after Lightning's hooks: a full file's state dict, or
+    what ``sharded_checkpoint_for_hooks`` read."""
+    if checkpoint.get(SHARDED_DIR):
+        load_sharded_model(runtime, checkpoint, checkpoint[SHARDED_DIR], strict)
+    else:
+        load_full_state_dict(runtime, checkpoint["state_dict"], strict=strict)
+
+
+def load_optimizers(runtime: Any, optimizers: list[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Load the optimizers' state from a checkpoint as it stands after Lightning's hooks."""
+    states = checkpoint.get("optimizer_states", [])
+    if len(states) != len(optimizers):
+        raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(optimizers)} optimizers "
+                         "are configured")
+    if checkpoint.get(SHARDED_DIR):
+        load_sharded_optimizers(runtime, optimizers, states, checkpoint[SHARDED_DIR])
+        return
+    for optimizer, state in zip(optimizers, states):
+        if optimizer.param_groups:  # Lightning's stand-in for "no optimizer" has nothing to load
+            load_full_optimizer_state_dict(runtime, optimizer, state)
+
+
+def optimizer_state_after_fit(finished: Any, optimizer: Any) -> dict[str, Any]:
+    """``trainer.save_checkpoint`` after fit: ``optimizer``'s state gathered from the shards of the finished fit's
+    runtime (on rank 0, which writes the file), every rank calling it as Lightning does."""
+    if finished is None or not any(o is optimizer for o in finished.optimizers):
+        return optimizer.state_dict()  # not sharded by this strategy
+    if finished.offload.nvme:
+        raise ValueError("the optimizer state of chunks on NVMe was removed with their files when fit ended: save "
+                         "a checkpoint with it during fit (ModelCheckpoint, or trainer.save_checkpoint in "
+                         "on_train_end), or save the weights only (trainer.save_checkpoint(path, weights_only=True))")
+    return full_optimizer_state_dict(finished, optimizer)
 
 
 def load_sharded_model(runtime: Any, checkpoint: dict[str, Any], path: str, strict: bool) -> None:
@@ -233,9 +275,6 @@ def load_sharded_model(runtime: Any, checkpoint: dict[str, Any], path: str, stri
     optimizers' state loads with the param groups as the hooks left them. Replacing an optimizer's per-element
     ``state`` itself is refused: it is read from the shards into this rank's views.
     """
-    from lightning_elixir.runtime.sharded import load_sharded
-    from lightning_elixir.runtime.state_dict import check_keys, load_full_state_dict
-
     state_dict = checkpoint["state_dict"]
     model_keys = set(runtime.module.state_dict(keep_vars=True))
     if strict:
@@ -250,8 +289,6 @@ def load_sharded_model(runtime: Any, checkpoint: dict[str, Any], path: str, stri
 def load_sharded_optimizers(runtime: Any, optimizers: list[Any], states: list[dict[str, Any]], path: str) -> None:
     """Load the optimizers' state from a sharded checkpoint with the param groups the hooks left
     ([Note: loading a sharded checkpoint after the hooks])."""
-    from lightning_elixir.runtime.sharded import load_sharded
-
     for k, state in enumerate(states):
         if not isinstance(state.get("state"), OptimizerStateInShards) or state["state"]:
             raise ValueError(f"on_load_checkpoint replaced checkpoint['optimizer_states'][{k}]['state'], which a "

@@ -3,7 +3,7 @@
 ``lightning.pytorch`` and ``pytorch_lightning`` ship the same code under two names, and each
 Trainer accepts only strategies built on its own base classes. Instead of a hand-kept second
 copy, the Lightning-facing modules (launcher, precision, checkpointing, monitor, averaging, autoplan,
-toggling, finetuning, after_step, rank_hooks, strategy) are executed a second time from their own source with the package names swapped, as Lightning
+toggling, finetuning, after_step, rank_hooks, inputs, steps, strategy) are executed a second time from their own source with the package names swapped, as Lightning
 itself derives one package from the other. The result lives under ``lightning_elixir.mirror.<module>``.
 """
 
@@ -16,7 +16,8 @@ import types
 MIRRORED = ("lightning_elixir.launcher", "lightning_elixir.precision", "lightning_elixir.checkpointing",
             "lightning_elixir.monitor", "lightning_elixir.averaging", "lightning_elixir.autoplan",
             "lightning_elixir.toggling", "lightning_elixir.finetuning", "lightning_elixir.after_step",
-            "lightning_elixir.rank_hooks", "lightning_elixir.strategy")
+            "lightning_elixir.rank_hooks", "lightning_elixir.inputs", "lightning_elixir.steps",
+            "lightning_elixir.strategy")
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 
 

@@ -26,10 +26,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities import imports as fabric_imports
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers, _MockOptimizer
-from lightning.pytorch.loops.optimization.automatic import ClosureResult
-from lightning.pytorch.trainer import call
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -43,56 +40,39 @@ from typing_extensions import override
 
 from lightning_elixir.after_step import AfterStepRegion
 from lightning_elixir.averaging import install_averages, remove_averages
-from lightning_elixir.checkpointing import (CheckpointSaver, load_sharded_model, load_sharded_optimizers,
+from lightning_elixir.checkpointing import (CheckpointSaver, load_model, load_optimizers, optimizer_state_after_fit,
                                             save_full_checkpoint, save_sharded_checkpoint,
                                             sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
+from lightning_elixir.inputs import (apply_layer_sync, check_flags, check_start_method, check_state_dict_type,
+                                     collective_timeout, planning_limit, read_hardware_profile,
+                                     refuse_graph_logging, refuse_unsupported_callbacks)
 from lightning_elixir.finetuning import install_finetuning, planned_trainable, remove_finetuning
 from lightning_elixir.launcher import ElixirMultiprocessingLauncher
 from lightning_elixir.monitor import ElixirMonitor
-from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanError, PlanInput, check_private_params, resolve_plan
+from lightning_elixir.plan import CACHE_ALL, ElixirPlan, PlanInput, check_private_params, resolve_plan
 from lightning_elixir.planner import PlanningResult, value_dependent_params
 from lightning_elixir.precision import ElixirPrecision, from_lightning_plugin
-from lightning_elixir.autoplan import AutoPlanner, updates_start_in_backward
+from lightning_elixir.autoplan import AutoPlanner
 from lightning_elixir.rank_hooks import install_rank_hooks, remove_rank_hooks
 from lightning_elixir.recompute import Recomputation
-from lightning_elixir.recovery import OutOfMemoryRecovery, new_group, recoverable_error
+from lightning_elixir.recovery import OutOfMemoryRecovery, new_group
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime import state_dict as sd
-from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group, agreed_max
-from lightning_elixir.runtime import emulated
+from lightning_elixir.runtime.collectives import Group, agreed_max
 from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
 from lightning_elixir.runtime.nvme import check_nvme_path
-from lightning_elixir.runtime.sharded import read_checkpoint
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime
-from lightning_elixir.search.budget import check_memory_limit
 from lightning_elixir.search.calibrate import SelfCorrection
 from lightning_elixir.search.report import SearchReport, format_names
+from lightning_elixir.steps import TrainingSteps
 from lightning_elixir.toggling import install_toggling, remove_toggling
 from lightning_elixir.uneven import UnevenSteps
 
 log = logging.getLogger(__name__)
-
-START_METHODS = ("popen", "fork", "spawn", "forkserver")
-"""How the ranks of one machine start: a script run per rank (as DDP's default), or Lightning's multiprocessing."""
-
-_SHARDED_DIR = "_elixir_sharded_dir"
-"""A checkpoint dict read from a sharded checkpoint: the directory whose shards load after the hooks."""
-
-
-def _planning_limit(name: str, limit: Union[int, float, str, None], fixed: Optional[str]) -> Union[int, float, str, None]:
-    """A memory limit that only plan="auto" uses: its form checked, refused with a fixed plan (``fixed`` names it)."""
-    if limit is None:
-        return None
-    check_memory_limit(limit, name)
-    if fixed:
-        raise ValueError(f"{name}={limit!r} is used by plan='auto' to choose a plan and has no effect on {fixed}: "
-                         "remove it, or use plan='auto'")
-    return limit
-
 
 def describe_runtime(runtime: ElixirRuntime) -> str:
     """The running plan in the search report's words (``chunk=... blocks=... prefetch=... offload=...``),
@@ -112,40 +92,6 @@ def _holds_meta(module: Any) -> bool:
     """Whether ``module`` still has meta tensors (setup failed before materialising them): moving it would
     raise over the error that stopped the run."""
     return module is not None and any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def _refuse_graph_logging(trainer: Any) -> None:
-    """Refuse, before any work, a logger that would trace the model on rank 0 alone (``log_graph=True``)."""
-    for logger in trainer.loggers:
-        if getattr(logger, "_log_graph", False):
-            raise ValueError(f"{type(logger).__name__}(log_graph=True) traces the model on rank 0 alone, where the "
-                             "Elixir strategy holds only this rank's shard of each chunk and gathering needs every "
-                             "rank: set log_graph=False (log the graph from a run on one device, with "
-                             "strategy='auto', if you need it)")
-
-
-def _apply_layer_sync(layer_sync: Any, module: Any, device: torch.device) -> Any:
-    """``Trainer(sync_batchnorm=True)``'s conversion of ``module``, as DDP applies it. torch's SyncBatchNorm is refused
-    on the CPU before any work, as DDP refuses it there (its training forward raises), with the module given back."""
-    module = layer_sync.apply(module)
-    if device.type == "cpu" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
-        layer_sync.revert(module)
-        raise ValueError("Trainer(sync_batchnorm=True) converts the BatchNorm layers to torch.nn.SyncBatchNorm, whose "
-                         "training forward runs on GPUs only (DDP refuses it on the CPU too): remove "
-                         "sync_batchnorm=True for a CPU run, or run on GPUs")
-    return module
-
-
-def _refuse_unsupported_callbacks(trainer: Any) -> None:
-    """Refuse, before any work, Lightning callbacks that cannot work on sharded parameters, saying what works."""
-    for cb in trainer.callbacks:
-        name = type(cb).__name__
-        if isinstance(cb, ModelPruning):
-            raise ValueError(
-                f"{name} does not work with the Elixir strategy: it ranks and masks the parameters at epoch ends, "
-                "outside the training step, where each rank holds only its shard. Prune in a callback of your own "
-                "(its on_train_epoch_end, say) with torch.nn.utils.prune inside `with "
-                "trainer.strategy.gathered_params():`, entered on every rank, or prune before fit.")
 
 
 class ElixirStrategy(ParallelStrategy):
@@ -240,70 +186,29 @@ class ElixirStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         # Every input that can be checked without the model, the devices or the process group is
         # checked here, so that a mistake fails at construction rather than after launch and profiling.
-        if not isinstance(start_method, str) or start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r}: use 'popen' (a script run once per rank; torchrun, "
-                             "SLURM), 'fork' (a notebook), 'spawn' or 'forkserver'")
+        self._start_method = check_start_method(start_method)
         self.plan = resolve_plan(plan)
         self.private_params = check_private_params(private_params, self.plan)
         # What the planning inputs would be ignored by: None for plan="auto".
         fixed = None if isinstance(self.plan, str) else f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
-        self.device_memory_limit = _planning_limit("device_memory_limit", device_memory_limit, fixed)
-        if hardware_profile is not None:
-            if fixed:
-                raise ValueError(f"hardware_profile is used by plan='auto' to choose a plan and has no effect on "
-                                 f"{fixed}: remove it, or use plan='auto'")
-            if isinstance(hardware_profile, (str, os.PathLike)):
-                hardware_profile = HardwareProfile.from_json(hardware_profile)  # a bad file fails now, not after launch
-            elif not isinstance(hardware_profile, HardwareProfile):
-                raise TypeError(f"hardware_profile must be a HardwareProfile or the path of its JSON file, "
-                                f"got {type(hardware_profile).__name__}")
-        self.hardware_profile = hardware_profile
+        self.device_memory_limit = planning_limit("device_memory_limit", device_memory_limit, fixed)
+        self.hardware_profile = read_hardware_profile(hardware_profile, fixed)
         self.nvme_path = None if nvme_path is None else str(check_nvme_path(nvme_path))
         if self.nvme_path is not None and fixed and not any(c.placement == "nvme" for c in self.plan.chunks):
             rank_zero_warn(f"nvme_path={nvme_path!r} is not used: {fixed} places no chunk on NVMe (plan='auto' may "
                            "place some there)")
-        self.host_memory_limit = _planning_limit("host_memory_limit", host_memory_limit, fixed)
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type={state_dict_type!r}: use 'full' (one file) or 'sharded' (a directory "
-                             "each rank writes its shards to)")
-        self.state_dict_type = state_dict_type
-        if process_group_backend is not None and (not isinstance(process_group_backend, str)
-                                                  or not process_group_backend.strip()):
-            raise ValueError(f"process_group_backend={process_group_backend!r}: use a torch.distributed backend "
-                             "name such as 'nccl' or 'gloo', or None for the device's default")
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-            raise ValueError(f"timeout={timeout!r}: use a positive datetime.timedelta, e.g. timedelta(minutes=30)")
-        if collective_timeout_s is None:  # a longer timeout the user chose must not be cut short
-            chose = timeout is not None and timeout != default_pg_timeout
-            collective_timeout_s = timeout.total_seconds() if chose else DEFAULT_TIMEOUT_S
-        self._group_timeout_s = collective_timeout_s
-        Group(None, 0, 1, collective_timeout_s)  # validates it now, before launch
-        self._failed = False
-        self._synced_by: Optional[Any] = None
-        """The layer-sync plugin the running module's layers were converted by (its fit's), if any."""
-        self._conditional: tuple[str, ...] = ()
-        """Parameters of modules that run on some ranks only, found for a plan given by the user."""
-        self._averaging: list[Any] = []
-        """Weight-averaging callbacks given sharded averages for this fit (averaging.py)."""
+        self.host_memory_limit = planning_limit("host_memory_limit", host_memory_limit, fixed)
+        self.state_dict_type = check_state_dict_type(state_dict_type)
+        self._group_timeout_s = collective_timeout(process_group_backend, timeout, collective_timeout_s)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._start_method = start_method
-        for flag, value in (("broadcast_buffers", broadcast_buffers), ("unshard_on_teardown", unshard_on_teardown),
-                            ("oom_recovery", oom_recovery)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        check_flags(broadcast_buffers=broadcast_buffers, unshard_on_teardown=unshard_on_teardown,
+                    oom_recovery=oom_recovery)
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
         if updates_in_backward not in (None, True, False):
             raise TypeError(f"updates_in_backward must be None, True or False, got {updates_in_backward!r}")
         self.updates_in_backward = updates_in_backward
-        self._starts_in_backward: Optional[bool] = None
-        """``updates_will_start_in_backward()`` for the stage set up last (the configuration does not change within it)."""
-        self._deferred: list[InitRecord] = []
-        """Recordings of the builds under this strategy's init contexts, until setup replays them."""
-        self._configured: Optional[tuple[list[Optimizer], list[Any]]] = None
-        """plan="auto" when fitting: what ``configure_optimizers`` returned before planning (the optimizers and
-        LR scheduler configs), whose state the plan is priced for; ``setup_optimizers`` takes it."""
         if not isinstance(replan, (bool, SelfCorrection)):
             raise TypeError(f"replan must be True, False or a SelfCorrection, got {replan!r}")
         self.replan = replan
@@ -311,9 +216,21 @@ class ElixirStrategy(ParallelStrategy):
         self.planner: Optional[AutoPlanner] = AutoPlanner(
             correction, OutOfMemoryRecovery() if oom_recovery else None) if self.plan == "auto" else None
         """plan="auto": planning, self-correction and out-of-memory recovery ([Note: one owner of the plan])."""
+        self._failed = False
+        self._synced_by: Optional[Any] = None
+        """The layer-sync plugin the running module's layers were converted by (its fit's), if any."""
+        self._conditional: tuple[str, ...] = ()
+        """Parameters of modules that run on some ranks only, found for a plan given by the user."""
+        self._averaging: list[Any] = []
+        """Weight-averaging callbacks given sharded averages for this fit (averaging.py)."""
+        self._deferred: list[InitRecord] = []
+        """Recordings of the builds under this strategy's init contexts, until setup replays them."""
+        self._configured: Optional[tuple[list[Optimizer], list[Any]]] = None
+        """plan="auto" when fitting: what ``configure_optimizers`` returned before planning (the optimizers and
+        LR scheduler configs), whose state the plan is priced for; ``setup_optimizers`` takes it."""
         self._runtime_group: Optional[Group] = None
-        self._step_args: tuple[tuple, dict] = ((), {})
-        self._counted_step: Optional[int] = None
+        self._steps = TrainingSteps(self)
+        """The training step, backward and optimizer step, with what Elixir adds around them (steps.py)."""
         self._recomputation: Optional[Recomputation] = None
         self._uneven = UnevenSteps(self)
         """Evaluation and predict steps evened out over the ranks (uneven.py)."""
@@ -443,10 +360,10 @@ class ElixirStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         check_initialized(self.model)  # before planning, which reads the shapes too
-        self._starts_in_backward = None  # this stage's trainer decides it anew
-        _refuse_graph_logging(trainer)
+        self._steps.new_stage()
+        refuse_graph_logging(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            _refuse_unsupported_callbacks(trainer)
+            refuse_unsupported_callbacks(trainer)
             self._unchunk_for_layer_sync()
         if trainer.state.fn == TrainerFn.FITTING:
             self._saver.prepare_dirs(self, trainer)
@@ -459,7 +376,7 @@ class ElixirStrategy(ParallelStrategy):
                 # Trainer(sync_batchnorm=True), as DDP applies it: before chunking, so that the runtime's hooks
                 # and the optimizers' parameters are those of the converted layers (the parameters keep their
                 # identity); reverted at teardown once the module is plain again.
-                self.model = _apply_layer_sync(self._layer_sync, self.model, self.root_device)
+                self.model = apply_layer_sync(self._layer_sync, self.model, self.root_device)
             self._synced_by = self._layer_sync if trainer.state.fn == TrainerFn.FITTING else None
             self.model = self.precision_plugin.convert_module(self.model)
             if trainer.state.fn == TrainerFn.FITTING and self.planner is not None and not _holds_meta(self.model):
@@ -649,143 +566,24 @@ class ElixirStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         pass  # the runtime places chunks and buffers on the root device
 
-    @contextmanager
-    def _step(self, evaluating: bool) -> Generator[None, None, None]:
-        """One step of the loop: every rank runs it, so reads outside the hooks gather on demand."""
-        runtime = self.runtime
-        assert runtime is not None
-        with runtime.step_region():
-            runtime.begin_iteration()
-            yield
-        if evaluating:
-            runtime.end_iteration()
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.recovery is None:
-            with self._step(evaluating=False), self._counting():
-                return super().training_step(*args, **kwargs)
-        trainer = self.lightning_module.trainer
-        self._step_args = (args, kwargs)
-        while True:
-            assert self.runtime is not None
-            self.recovery.begin(self.runtime, trainer._results)
-            steps = self.runtime.steps + self.runtime.skipped_steps
-            try:
-                with self._step(evaluating=False), self._counting():
-                    return super().training_step(*args, **kwargs)
-            except Exception as err:
-                if not recoverable_error(err):
-                    raise
-                stepped = (self.runtime.updating or self.runtime.offload.started_early
-                           or self.runtime.steps + self.runtime.skipped_steps != steps)
-                self._recover(err, "training_step", "an optimizer already stepped in this training_step (manual "
-                                                    "optimization), and its update cannot be undone" if stepped else None)
+        return self._steps.training_step(super().training_step, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self.recovery is None or not self.lightning_module.automatic_optimization:
-            with self._backward_region():  # under manual optimization the training_step recovers
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        trainer = self.lightning_module.trainer
-        while True:
-            try:
-                with self._backward_region():
-                    return super().backward(closure_loss, optimizer, *args, **kwargs)
-            except Exception as err:
-                if not recoverable_error(err):
-                    raise
-                with contextlib.suppress(RuntimeError):
-                    closure_loss.detach_()  # the failed backward's graph (and its activations) goes
-                del closure_loss
-                self._recover(err, "backward", self._update_begun())
-                # Redo the micro-batch's forward (it recovers on its own) and continue with its loss, as the closure does.
-                args_, kwargs_ = self._step_args
-                output = call._call_strategy_hook(trainer, "training_step", *args_, **kwargs_)
-                closure_loss = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches).closure_loss
+        return self._steps.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._after_step.close()  # what the module's hook wrote after a previous step goes in first
-        if self.recovery is None or not self.lightning_module.automatic_optimization:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
-            while True:  # what the closure's training_step and backward did not recover: redo the whole closure
-                try:
-                    output = super().optimizer_step(optimizer, closure, model, **kwargs)
-                    break
-                except Exception as err:
-                    if not recoverable_error(err):
-                        raise
-                    self._recover(err, "optimizer step", self._update_begun())
+        output = self._steps.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
         self._after_step.open(self.runtime)  # [Note: code after the step in optimizer_step]
         return output
 
-    @contextmanager
-    def _backward_region(self) -> Generator[None, None, None]:
-        """Around the strategy's backward: every rank runs it, on_before_backward hooks included, so reads
-        there gather on demand (as in the step); memory is counted; offloaded updates may start."""
-        assert self.runtime is not None
-        with self.runtime.step_region(), self._counting(), self._updates_may_start():
-            yield
-
-    def _update_begun(self) -> Optional[str]:
-        """Why the step cannot be redone: an update began (in the step, or an offloaded one in backward)."""
-        runtime = self.runtime
-        if runtime is not None and (runtime.updating or runtime.offload.started_early):
-            return "the optimizer's update had begun and may be partly applied"
-        return None
-
-    @contextmanager
-    def _updates_may_start(self) -> Generator[None, None, None]:
-        """Around a backward: let offloaded chunks start their updates in it when nothing between it and
-        the step can change them ([Note: updates started in backward] in runtime/offload.py)."""
-        runtime = self.runtime
-        if runtime is None or not runtime.offload.chunks:
-            yield
-            return
-        protocol = runtime.protocol  # holds_graphs: this backward goes through a graph torch.autograd.grad made
-        runtime.offload.early = (self.updates_will_start_in_backward() and runtime.scaler is None
-                                 and not protocol.accumulating and not protocol.holds_graphs)
-        try:
-            yield
-        finally:
-            runtime.offload.early = False
-
     def updates_will_start_in_backward(self) -> bool:
-        """Whether offloaded updates start in the backward that ends an accumulation, as far as the
-        configuration tells before fit (``autoplan.updates_start_in_backward``); asked once per stage,
-        not at every backward."""
-        if self._starts_in_backward is None:
-            module = self.lightning_module
-            self._starts_in_backward = updates_start_in_backward(
-                module, self.updates_in_backward, self.root_device.type != "cpu",
-                getattr(self.precision_plugin, "scaler", None) is not None, module.trainer.gradient_clip_val,
-                module.trainer.callbacks)
-        return self._starts_in_backward
-
-    def _recover(self, err: BaseException, where: str, why_not: Optional[str]) -> None:
-        """Every rank: give up the step, shrink the plan, put the micro-batch's state back ([Note: recovering
-        from out of memory]); log it as a self-correction is logged."""
-        assert self.recovery is not None
-        trainer = self.lightning_module.trainer
-        self._counted_step = None
-        self.recovery.recover(err, self, trainer.global_step + 1, where, redoable=why_not)
-        self.monitor(trainer).log_recovery(trainer, self.recovery.attempts[-1], self.describe_running())
-
-    @contextmanager
-    def _counting(self) -> Generator[None, None, None]:
-        """Inside an emulated device budget ([Note: emulated device memory]), count the step's memory."""
-        memory = emulated.active()
-        if memory is None or self.runtime is None or memory.counting_now:  # a backward inside a training_step
-            yield
-            return
-        step = self.runtime.steps + self.runtime.skipped_steps + 1
-        if step != self._counted_step:
-            self._counted_step = step
-            memory.begin_step(step, self.global_rank, self.runtime.device_bytes_between_steps())
-        with memory.counting():
-            yield
+        """Whether offloaded updates start in the backward that ends an accumulation (``TrainingSteps``)."""
+        return self._steps.updates_will_start_in_backward()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -798,7 +596,7 @@ class ElixirStrategy(ParallelStrategy):
     def _evaluation_step(self, hook: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A validation or test step, evened out over the ranks ([Note: uneven evaluation batches])."""
         self._uneven.before_eval_step(hook, args, kwargs)
-        with self._step(evaluating=True):
+        with self._steps.region(evaluating=True):
             output = step(*args, **kwargs)
         self._uneven.after_eval_step()
         return output
@@ -806,7 +604,7 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._uneven.before_predict_step(args, kwargs)
-        with self._step(evaluating=True):
+        with self._steps.region(evaluating=True):
             return super().predict_step(*args, **kwargs)
 
     @override
@@ -920,10 +718,7 @@ class ElixirStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.runtime is not None
-        if checkpoint.get(_SHARDED_DIR):
-            load_sharded_model(self.runtime, checkpoint, checkpoint[_SHARDED_DIR], strict)
-            return
-        sd.load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
+        load_model(self.runtime, checkpoint, strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -932,37 +727,16 @@ class ElixirStrategy(ParallelStrategy):
         if not optimizer.param_groups:  # Lightning's stand-in when configure_optimizers returns None
             return optimizer.state_dict()
         if self.runtime is None:
-            return self._state_after_fit(optimizer)
+            return optimizer_state_after_fit(self._finished, optimizer)
         if self.state_dict_type == "sharded":
             return {}  # save_checkpoint writes each rank's shards
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
         return sd.deferred_optimizer_state_dict(self.runtime, optimizer, index)  # save_checkpoint gathers while writing
 
-    def _state_after_fit(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``trainer.save_checkpoint`` after fit: the optimizer's state gathered from the finished fit's shards
-        (on rank 0, which writes the file), every rank calling it as Lightning does."""
-        finished = self._finished
-        if finished is None or not any(o is optimizer for o in finished.optimizers):
-            return optimizer.state_dict()  # not sharded by this strategy
-        if finished.offload.nvme:
-            raise ValueError("the optimizer state of chunks on NVMe was removed with their files when fit ended: save "
-                             "a checkpoint with it during fit (ModelCheckpoint, or trainer.save_checkpoint in "
-                             "on_train_end), or save the weights only (trainer.save_checkpoint(path, weights_only=True))")
-        return sd.full_optimizer_state_dict(finished, optimizer)
-
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.runtime is not None
-        states = checkpoint.get("optimizer_states", [])
-        if len(states) != len(self.optimizers):
-            raise ValueError(f"the checkpoint has {len(states)} optimizer states but {len(self.optimizers)} optimizers "
-                             "are configured")
-        if checkpoint.get(_SHARDED_DIR):
-            load_sharded_optimizers(self.runtime, self.optimizers, states, checkpoint[_SHARDED_DIR])
-            return
-        for optimizer, state in zip(self.optimizers, states):
-            if optimizer.param_groups:  # Lightning's stand-in for "no optimizer" has nothing to load
-                sd.load_full_optimizer_state_dict(self.runtime, optimizer, state)
+        load_optimizers(self.runtime, self.optimizers, checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -983,12 +757,8 @@ class ElixirStrategy(ParallelStrategy):
         path = os.fspath(checkpoint_path)
         if self.runtime is None or not os.path.isdir(path):
             return super().load_checkpoint(checkpoint_path, **kwargs)  # a full file (ours, DDP's, one device's)
-        # Optimizer states are restored only to fit, as Lightning does; outside fit (test(ckpt_path=...) after
-        # a fit) the strategy still holds the fit's optimizers, whose views belong to that fit's chunks.
         trainer = getattr(self.lightning_module, "_trainer", None)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        meta, stored = read_checkpoint(path)  # checked whole before any hook runs; loaded after them
-        return {**sharded_checkpoint_for_hooks(meta, stored, fitting), _SHARDED_DIR: path}
+        return sharded_checkpoint_for_hooks(path, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

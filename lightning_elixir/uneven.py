@@ -38,7 +38,7 @@ class UnevenSteps:
 
     Args:
         strategy: the ElixirStrategy (its runtime, module, trainer and device are read when needed, and
-            its ``_step(evaluating=True)`` runs a repeated step).
+            its ``TrainingSteps.region(evaluating=True)`` runs a repeated step).
     """
 
     def __init__(self, strategy: Any) -> None:
@@ -96,7 +96,7 @@ class UnevenSteps:
                                  "with a plan that gathers chunks per module every rank must run the model, so give "
                                  "each rank at least one batch")
             hook, args, kwargs = self._last_eval
-            with self.strategy._step(evaluating=True), torch.no_grad(), preserved_state(module), \
+            with self.strategy._steps.region(evaluating=True), torch.no_grad(), preserved_state(module), \
                     _logging_dropped(module):
                 getattr(module, hook)(*args, **kwargs)
         self._last_eval = None
@@ -133,5 +133,5 @@ class UnevenSteps:
         if behind and self._last_predict is not None:
             args, kwargs = self._last_predict
             for _ in range(behind):
-                with self.strategy._step(evaluating=True), torch.no_grad():
+                with self.strategy._steps.region(evaluating=True), torch.no_grad():
                     self.strategy.lightning_module.predict_step(*args, **kwargs)

@@ -63,7 +63,7 @@ def test_profile_and_search_do_not_import_runtime_or_lightning():
 def test_only_the_glue_imports_lightning():
     glue = {"__init__.py", "strategy.py", "precision.py", "launcher.py", "mirror.py", "cli.py", "plan_cli.py",
             "checkpointing.py", "monitor.py", "averaging.py", "autoplan.py", "toggling.py", "after_step.py",
-            "finetuning.py", "rank_hooks.py"}
+            "finetuning.py", "rank_hooks.py", "inputs.py", "steps.py"}
     for path in PACKAGE.rglob("*.py"):
         if (path.name in glue and path.parent == PACKAGE) or path.parent == PACKAGE / "demos":
             continue  # the glue, and the demo LightningModules
