@@ -160,7 +160,11 @@ class ElixirMonitor(Callback):
             # While the self-correction measures, GPU waits are timed on the device ([Note: phases timed
             # on the device] in runtime/phases.py).
             runtime.clock.device_timing = planner is not None and planner.may_replan
-            if torch.cuda.is_available() and runtime.device.type == "cuda":
+            every = self.log_every_n_steps or trainer.log_every_n_steps
+            logged = trainer.is_global_zero and every and (trainer.global_step + 1) % every == 0
+            if runtime.device.type == "cuda" and (runtime.clock.device_timing or logged):
+                # The step's own peak, for the self-correction or the log; steps nothing reads leave the
+                # allocator's statistics to the user (torch.cuda.max_memory_allocated after fit, as under DDP).
                 torch.cuda.reset_peak_memory_stats(runtime.device)
             if trainer.global_step + 1 == self.timeline_step and self._recorder is None:
                 planning = self._current_planning(trainer)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_elixir import ElixirPlan
+import torch
+
+from lightning_elixir import ElixirMonitor, ElixirPlan
 from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,3 +193,32 @@ def test_without_matplotlib_the_figure_is_named_once_with_how_to_get_it(monkeypa
     monitor._log_figure(_Trainer(bar), str(tmp_path), None, None)
     (line,) = bar.printed
     assert str(tmp_path / monitor.FIGURE_FILE) in line and "pip install matplotlib" in line
+
+
+def test_the_allocator_peak_is_reset_only_at_the_steps_the_monitor_reads(monkeypatch):
+    """The peak memory statistics are the user's (``torch.cuda.max_memory_allocated`` after fit, as under DDP):
+    the monitor resets them at a step's start only when it reads that step's peak, for the self-correction or
+    for the step it logs."""
+    from types import SimpleNamespace
+
+    from lightning_elixir.runtime.phases import PhaseClock
+
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    runtime = SimpleNamespace(device=torch.device("cuda", 0), clock=PhaseClock())
+    planner = SimpleNamespace(may_replan=False)
+
+    def batch_start(global_step: int) -> None:
+        trainer = SimpleNamespace(strategy=SimpleNamespace(runtime=runtime, planner=planner), global_step=global_step,
+                                  log_every_n_steps=5, is_global_zero=True)
+        monitor._step_started = None  # a new optimizer step
+        monitor.on_train_batch_start(trainer, None, None, global_step)
+
+    monitor = ElixirMonitor(timeline_step=1000)
+    for step in range(10):
+        batch_start(step)
+    assert len(resets) == 2  # the steps that end at global steps 5 and 10, which are logged
+    planner.may_replan = True  # the self-correction reads every step's peak
+    batch_start(10)
+    batch_start(11)
+    assert len(resets) == 4
