@@ -185,3 +185,25 @@ def test_sizes_refuse_a_shape_they_cannot_read():
         harness.parse_args(["--sizes=medium,huge"])
     with pytest.raises(SystemExit):
         harness.parse_args(["--size=small", "--sizes=medium"])
+
+
+def test_step_timer_keeps_the_run_s_device_peak_across_the_monitor_s_resets(monkeypatch):
+    """Elixir's monitor resets the allocator's peak at every step's start: the timer reads it after setup and
+    after every step, so the row's peak is the run's (as for DDP), not the last step's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from examples.benchmarks import harness_rank
+
+    readings = iter([900, 300, 400, 250, 250])  # after setup, after each of three steps, at the end
+    monkeypatch.setattr(harness_rank, "_device_peak", lambda device: next(readings))
+    timer = harness_rank._timed_callback(Namespace(profile=None, warmup=0, profile_steps=0))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), runtime=None))
+    timer.on_train_start(trainer, None)
+    for step in range(3):
+        timer.on_train_batch_start(trainer, None, None, step)
+        timer.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, step)
+    timer.on_train_end(trainer, None)
+    assert timer.peaks["peak_device_bytes"] == 900
+    assert timer.peaks["peak_host_bytes"] > 0

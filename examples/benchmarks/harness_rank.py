@@ -25,6 +25,18 @@ def _timed_callback(args: argparse.Namespace) -> Any:
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.times_s, self.cpu_s, self.losses, self.peaks, self.note, self.profiler = [], [], [], {}, "", None
+            self.device_peak: Optional[int] = None
+
+        def note_device_peak(self, trainer) -> None:
+            """Keep the largest allocator peak seen. Elixir's monitor resets the peak at the start of every
+            step, so the peak read once at the end would be the last step's only (under DDP, the run's): it
+            is read after setup (planning, profiling) and after every step, before the next reset."""
+            peak = _device_peak(trainer.strategy.root_device)
+            if peak is not None:
+                self.device_peak = max(self.device_peak or 0, peak)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.note_device_peak(trainer)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if args.profile and batch_idx == args.warmup:
@@ -37,11 +49,14 @@ def _timed_callback(args: argparse.Namespace) -> Any:
             self.times_s.append(time.perf_counter() - self.start)
             self.cpu_s.append(time.process_time() - self.start_cpu)
             self.losses.append(float(outputs["loss"]))
+            self.note_device_peak(trainer)
             if self.profiler is not None and batch_idx == args.warmup + args.profile_steps - 1:
                 self.profiler.stop()
 
         def on_train_end(self, trainer, pl_module) -> None:
-            self.peaks = _peaks(trainer.strategy.root_device)
+            self.note_device_peak(trainer)
+            self.peaks = {"peak_device_bytes": self.device_peak,
+                          "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
             runtime = getattr(trainer.strategy, "runtime", None)
             self.note = _plan_note(runtime.plan) if runtime is not None else ""
 
@@ -57,12 +72,11 @@ def _start_profiler(device: Any) -> Any:
     return profiler
 
 
-def _peaks(device: Any) -> dict:
+def _device_peak(device: Any) -> Optional[int]:
+    """The CUDA allocator's peak since its last reset (None off a GPU)."""
     import torch
 
-    device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"peak_device_bytes": device_bytes,
-            "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _plan_note(plan: Any) -> str:
