@@ -28,9 +28,10 @@ def _timed_callback(args: argparse.Namespace) -> Any:
             self.device_peak: Optional[int] = None
 
         def note_device_peak(self, trainer) -> None:
-            """Keep the largest allocator peak seen. Elixir's monitor resets the peak at the start of every
-            step, so the peak read once at the end would be the last step's only (under DDP, the run's): it
-            is read after setup (planning, profiling) and after every step, before the next reset."""
+            """Keep the largest allocator peak seen. Elixir's monitor resets the peak at the start of each
+            step it reads (every step while the self-correction measures, and the logged ones), so the peak
+            read once at the end could be the last step's only (under DDP, the run's): it is read after setup
+            (planning, profiling) and after every step, before the next reset."""
             peak = _device_peak(trainer.strategy.root_device)
             if peak is not None:
                 self.device_peak = max(self.device_peak or 0, peak)
