@@ -62,7 +62,7 @@ from lightning_elixir.runtime import state_dict as sd
 from lightning_elixir.runtime.collectives import Group, agreed_max
 from lightning_elixir.runtime.deferred import InitRecord, record_init
 from lightning_elixir.runtime.layout import check_initialized
-from lightning_elixir.runtime.nvme import check_nvme_path
+from lightning_elixir.runtime.nvme_runs import check_nvme_path
 from lightning_elixir.runtime.optim import shard_optimizer
 from lightning_elixir.runtime.replan import switch_plan
 from lightning_elixir.runtime.runtime import ElixirRuntime

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_elixir.runtime import nvme
-from lightning_elixir.runtime.nvme import HEADER_BYTES, NvmeError, NvmeStore, check_nvme_path
+from lightning_elixir.runtime import nvme, nvme_runs
+from lightning_elixir.runtime.nvme import HEADER_BYTES, NvmeError, NvmeStore
+from lightning_elixir.runtime.nvme_runs import check_nvme_path
 
 SIZES = {0: 1, 1: 7, 2: 4096, 3: 4097, 4: 12_345, 5: 65_539, 6: 100_000, 7: 0}
 
@@ -235,7 +236,7 @@ def test_check_nvme_path_reports_a_failed_write(tmp_path, monkeypatch):
     def refused(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(nvme.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(nvme_runs.tempfile, "mkstemp", refused)
     with pytest.raises(ValueError, match=f"{tmp_path}.*not writable.*Permission denied"):
         check_nvme_path(tmp_path)
 
@@ -286,7 +287,7 @@ def test_leftovers_of_dead_processes_on_this_host_are_removed(tmp_path, caplog):
     for directory in (dead, alive, other_host, unrelated):
         directory.mkdir()
         (directory / "chunk00000.bin").write_bytes(b"old")
-    caplog.set_level("INFO", logger=nvme.__name__)
+    caplog.set_level("INFO", logger=nvme_runs.__name__)
     store = NvmeStore(tmp_path, rank=0)
     assert not dead.exists() and str(dead) in caplog.text
     assert alive.exists() and other_host.exists() and unrelated.exists()
