@@ -185,6 +185,10 @@ class StepProtocol:
         """Chunks pinned for a later backward through a graph this one builds (see release_graph_pins)."""
         self._handles: list[Any] = []
         self.trainable = Trainable(table, self._param_hook, self._trainable_changed)
+        self.held_before = self.trainable.unreported()
+        """Whether trainable parameters held gradients when the runtime took them (a backward of the user's
+        own before fit, the last step of a fit under another strategy): until they are reduced into the
+        shards as an unreported backward's are ([Note: gradients held before the runtime])."""
         grads.finish_unreported = self.finish_unreported
         table.set_units(self._units(module))
 
@@ -559,9 +563,23 @@ class StepProtocol:
         self.cache.unpin_all()
 
     def finish_unreported(self) -> None:
-        """End a backward that left gradients no hook reported ([Note: one hook per chunk] in grads.py)."""
-        if (self.trainable.watching and self.phase is not Phase.BACKWARD and not in_backward()
-                and self.trainable.unreported()):
+        """End a backward that left gradients no hook reported ([Note: one hook per chunk] in grads.py), or
+        take the gradients the parameters held before the runtime took them.
+
+        [Note: gradients held before the runtime]
+        A parameter's ``.grad`` may hold a gradient when the runtime takes the module: a backward of the
+        user's own before fit, or the last step of a fit under another strategy (DDP leaves its last
+        step's averaged gradients in ``.grad``). A plain parameter keeps it until the optimizer's
+        ``zero_grad`` (which Lightning's automatic optimization calls before the first backward), and a
+        backward before that adds to it. The runtime takes it as a backward that no hook reported: reduced
+        into the shards before the first forward, ``zero_grad`` or read of a gradient, so that ``zero_grad``
+        drops it and a backward adds to it, as for the plain parameter. Left in ``.grad``, autograd would
+        add it to the first backward's gradient of a plan that hooks every parameter, after ``zero_grad``.
+        """
+        if not (self.trainable.watching or self.held_before) or self.phase is Phase.BACKWARD or in_backward():
+            return
+        self.held_before = False
+        if self.trainable.unreported():
             self.guard.flush_grads()
             self._creating_graph = False
             self._finish_backward()

@@ -2965,6 +2965,15 @@ def traced(run: Callable[[Any], None]) -> Callable[[Any], None]:
     return wrapped
 
 
+def backward_before_fit(ctx: Any) -> None:
+    """A backward of the user's own before fit (a look at the loss) leaves gradients in the parameters' ``.grad``,
+    as the last step of a fit under another strategy does: the first ``zero_grad`` drops them (automatic
+    optimization), and a first step before any ``zero_grad`` adds them (manual, zeroing after its step)."""
+    x, y = next(iter(ctx.data["val"]))
+    F.cross_entropy(ctx.model(x), y).backward()
+    fit(ctx)
+
+
 def fit_twice_raising_max_epochs(ctx: Any) -> None:
     trainer = ctx.trainer(max_epochs=1)
     trainer.fit(ctx.model, ctx.data["train"], ctx.data["val"])
@@ -3039,6 +3048,8 @@ CASES += [
     Case("generator_as_train_data", SequentialMLP, _generator_data),
     Case("combined_max_size_cycle", TwoTrainLoaders, _combined_data("max_size_cycle")),
     Case("fit_twice_raising_max_epochs", SequentialMLP, cls_data, run=fit_twice_raising_max_epochs),
+    Case("gradients_held_before_fit", SequentialMLP, cls_data, run=backward_before_fit),
+    Case("gradients_held_before_fit_manual_step_first", ManualAccum, cls_data, run=backward_before_fit),
     Case("resume_from_last", lambda: WithOptimizer("adamw"), cls_data, run=resume_from_last),
     Case("early_stopping_validation_end", SyncLogged, cls_data, trainer=dict(max_epochs=4),
          run=fit_with(_early_stopping(False))),
