@@ -215,7 +215,8 @@ def sharded_checkpoint_for_hooks(path: str, fitting: bool) -> dict[str, Any]:
     state_dict: dict[str, Any] = {}
     for key, name in meta["keys"]:
         entry = entries.get(f"model.{name or key}")
-        if entry is None:  # an object (get_extra_state), stored in the meta file
+        if entry is None:  # a module's extra state (get_extra_state), stored in the meta file: given as it is
+            state_dict[key] = meta["objects"][key]
             continue
         shape = shapes.get(name, tuple(getattr(entry, "size", ())))
         state_dict[key] = StoredInShards(key, shape, entry.properties.dtype)

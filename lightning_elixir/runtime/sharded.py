@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from lightning_elixir.runtime.chunk import Chunk, Slot
-from lightning_elixir.runtime.state_dict import (agree_scalar_state, is_per_element, note_replicated, optimizer_views,
-                                                 replicated_keys)
+from lightning_elixir.runtime.state_dict import (agree_scalar_state, extra_state_modules, is_per_element,
+                                                 note_replicated, optimizer_views, replicated_keys)
 
 META_FILE = "elixir_meta.pt"
 DCP_METADATA = ".metadata"
@@ -167,10 +167,10 @@ def _chunk_tensors(runtime, chunk: Chunk, states: list[dict], entries: list[list
 
 
 def _buffers(runtime) -> dict[str, torch.Tensor]:
-    """The module's state-dict tensors that are not chunked parameters."""
-    chunked = runtime.param_ids()
+    """The module's state-dict tensors that are not chunked parameters, nor a module's extra state."""
+    chunked, extra = runtime.param_ids(), extra_state_modules(runtime.module)
     return {k: v for k, v in runtime.module.state_dict(keep_vars=True).items()
-            if isinstance(v, torch.Tensor) and id(v) not in chunked}
+            if isinstance(v, torch.Tensor) and id(v) not in chunked and k not in extra}
 
 
 def _describe(runtime, states: list[dict], entries: list[list], whole: list[list[AbstractSet[str]]],
@@ -178,6 +178,7 @@ def _describe(runtime, states: list[dict], entries: list[list], whole: list[list
     """What the meta file holds: everything but the tensors DCP stores."""
     names = {id(s.param): s.name for c in runtime.chunks for s in c.slots}
     own = runtime.module.state_dict(keep_vars=True)
+    extra_state = extra_state_modules(runtime.module)  # [Note: extra state] in state_dict.py: stored as objects
     optimizers = []
     for state, views, held_whole in zip(states, entries, whole):
         flat, values = {}, {}
@@ -192,7 +193,7 @@ def _describe(runtime, states: list[dict], entries: list[list], whole: list[list
         "world_size": runtime.group.world_size,
         "shapes": {s.name: tuple(s.shape) for c in runtime.chunks for s in c.slots},
         "keys": [(k, names.get(id(v))) for k, v in own.items()],
-        "objects": {k: v for k, v in own.items() if not isinstance(v, torch.Tensor)},
+        "objects": {k: _cpu_copy(v) for k, v in own.items() if not isinstance(v, torch.Tensor) or k in extra_state},
         "optimizers": optimizers,
         "extra": extra,
     }
@@ -432,7 +433,7 @@ def _finish_chunks(runtime, staged: dict[int, list[tuple[Slot, torch.Tensor]]]) 
 
 
 def _load_objects(runtime, objects: dict[str, Any]) -> None:
-    """Non-tensor state-dict entries (``get_extra_state``) back into their modules."""
+    """The modules' extra state (``get_extra_state``, any object) back into them ([Note: extra state])."""
     for key, value in objects.items():
         prefix = key.rpartition(".")[0]
         runtime.module.get_submodule(prefix).set_extra_state(value)

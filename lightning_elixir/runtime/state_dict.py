@@ -34,10 +34,26 @@ def full_state_dict(runtime, everywhere: bool = False) -> dict[str, Any]:
 
 
 def _module_state(runtime) -> dict[str, Any]:
-    """The module's state dict: chunked parameters as themselves, everything else as CPU copies."""
+    """The module's state dict: chunked parameters as themselves, other tensors as CPU copies, a module's
+    extra state (``get_extra_state``, any object) as it gave it."""
     chunked = runtime.param_ids()
-    return {key: value if id(value) in chunked else value.detach().cpu().clone()
+    return {key: value if id(value) in chunked or not isinstance(value, torch.Tensor) else value.detach().cpu().clone()
             for key, value in runtime.module.state_dict(keep_vars=True).items()}
+
+
+def extra_state_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The state-dict keys of the modules' extra state (``get_extra_state``, any object, a tensor included),
+    with the module that ``set_extra_state`` gives each back to, as ``nn.Module.state_dict`` names them.
+
+    [Note: extra state]
+    A module that overrides ``get_extra_state`` puts what it returns into the state dict under
+    ``<prefix>_extra_state``, and ``load_state_dict`` hands the entry to its ``set_extra_state``. It is
+    no parameter or buffer: a tensor there is a new object each time, so copying a checkpoint's value
+    into it (as into a buffer) loads nothing. Loading gives it to ``set_extra_state``, full and sharded."""
+    suffix = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+    return {(f"{name}." if name else "") + suffix: sub for name, sub in module.named_modules(remove_duplicate=False)
+            if getattr(type(sub), "get_extra_state", torch.nn.Module.get_extra_state)
+            is not torch.nn.Module.get_extra_state}
 
 
 def param_records(runtime, everywhere: bool,
@@ -87,9 +103,11 @@ def check_keys(model_keys: Iterable[str], keys: Iterable[str]) -> None:
 
 def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = True) -> None:
     """Load a plain (unsharded) state dict into the master shards and the buffers."""
-    own = runtime.module.state_dict(keep_vars=True)
+    extra = extra_state_modules(runtime.module)
+    whole = runtime.module.state_dict(keep_vars=True)
     if strict:
-        check_keys(own, state_dict)
+        check_keys(whole, state_dict)
+    own = {k: v for k, v in whole.items() if k not in extra}
     source = {id(v): state_dict[k] for k, v in own.items() if k in state_dict}
     wrong = [f"{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(v.shape)}" for k, v in own.items()
              if k in state_dict and tuple(getattr(state_dict[k], "shape", ())) != tuple(v.shape)]
@@ -105,6 +123,9 @@ def load_full_state_dict(runtime, state_dict: Mapping[str, Any], strict: bool = 
         for key, value in own.items():
             if key in state_dict and id(value) not in chunked:
                 value.copy_(state_dict[key])
+    for key, sub in extra.items():  # [Note: extra state]
+        if key in state_dict:
+            sub.set_extra_state(state_dict[key])
 
 
 def _load_chunk(chunk: Chunk, source: dict[int, torch.Tensor]) -> None:
