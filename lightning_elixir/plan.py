@@ -288,6 +288,24 @@ def round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
 
 
+def shard_aligned(numel: int, world_size: int) -> int:
+    """A chunk capacity of at least ``numel`` whose ``world_size`` shards each hold a multiple of
+    ``ALIGN_NUMEL`` elements.
+
+    [Note: shards on the vector grid]
+    Parameters start at multiples of ``ALIGN_NUMEL`` in their chunk, and so does every shard: a rank's
+    view of a parameter then starts on the whole parameter's 64-element grid and ends either where the
+    parameter ends or on the grid. Element-wise kernels (the optimizer's step on the shard views) run a
+    vectorised body and a scalar loop for the remainder; in fp32 both give the same bits, but in bf16
+    and fp16 the remainder loop rounds an intermediate that the vector body keeps in fp32 (torch's SGD
+    with momentum on a bf16 parameter of 256 elements, viewed as two shards split at element 136: 6
+    elements a bf16 step apart from the whole parameter's after 3 steps). On the grid, every element
+    takes the path it takes on the whole parameter, so a low-precision master (``precision="bf16-true"``,
+    a parameter kept in its own dtype) trains to the bits DDP gets. It costs at most
+    ``ALIGN_NUMEL - 1`` elements per shard. A layout given in a plan is run as given."""
+    return round_up(numel, world_size * ALIGN_NUMEL)
+
+
 DEFAULT_CHUNK_NUMEL = 32 * 1024 * 1024
 """Largest default chunk capacity: big enough that collectives run near peak bandwidth."""
 DEFAULT_MIN_CHUNKS = 8
@@ -366,9 +384,11 @@ def pack_chunks(
 
     Args:
         order: (name, numel) per parameter in the order they should be laid out (first use).
-        chunk_numel: capacity of a public chunk; rounded up to a multiple of ``world_size``.
+        chunk_numel: capacity of a public chunk; rounded up to a multiple of ``world_size`` (the search's
+            sizes and a plan's default packing are already ``shard_aligned``).
         world_size: number of ranks each chunk is sharded over.
-        private: names that get a chunk of their own that stays gathered (tied or shared weights).
+        private: names that get a chunk of their own that stays gathered (tied or shared weights), its
+            shards on the vector grid ([Note: shards on the vector grid]).
 
     Returns:
         Public chunks in order, then one private chunk per private parameter.
@@ -381,7 +401,8 @@ def pack_chunks(
     names = [name for name, _ in order if name not in private]
     numels = [numel for name, numel in order if name not in private]
     public = [ChunkSpec(tuple(names[i] for i in group), capacity) for group in _next_fit(numels, capacity)]
-    privates = [ChunkSpec((name,), round_up(numel, world_size), private=True) for name, numel in order if name in private]
+    privates = [ChunkSpec((name,), shard_aligned(numel, world_size), private=True) for name, numel in order
+                if name in private]
     return tuple(public + privates)
 
 

@@ -26,7 +26,7 @@ from lightning_elixir.plan import (
     chunk_used_numel,
     default_chunk_numel,
     pack_chunks,
-    round_up,
+    shard_aligned,
     slot_offsets,
 )
 from lightning_elixir.runtime import collectives
@@ -96,10 +96,11 @@ def resolve_specs(module: nn.Module, plan: ElixirPlan, world_size: int, private:
     shared -= apart
     chunk_numel = plan.chunk_numel or default_chunk_numel([p.numel() for n, p in named if n not in shared | apart],
                                                          world_size)
-    specs = pack_chunks([(n, p.numel()) for n, p in named if n not in apart], chunk_numel, world_size, shared)
+    specs = pack_chunks([(n, p.numel()) for n, p in named if n not in apart], shard_aligned(chunk_numel, world_size),
+                        world_size, shared)  # [Note: shards on the vector grid], as the search's sizes
     for group in groups:
         if group:
-            numel = round_up(chunk_used_numel([n for _, n in group]), world_size)
+            numel = shard_aligned(chunk_used_numel([n for _, n in group]), world_size)
             specs += (ChunkSpec(tuple(n for n, _ in group), numel, private=True),)
     return specs
 

@@ -20,6 +20,7 @@ from lightning_elixir.plan import (
     default_chunk_numel,
     pack_chunks,
     round_up,
+    shard_aligned,
 )
 from lightning_elixir.profile.types import ModelProfile
 from lightning_elixir.search.options import SearchOptions
@@ -114,7 +115,8 @@ def layout_from_plan(plan: ElixirPlan, model: ModelProfile) -> Layout:
         # As the runtime packs it, except in the profile's first-use order, not registration order.
         private = set(private_names(model))
         default = default_chunk_numel([p.numel for p in model.params if p.name not in private], plan.world_size or 1)
-        return build_layout(model, plan.chunk_numel or default, plan.world_size or 1)
+        world_size = plan.world_size or 1
+        return build_layout(model, shard_aligned(plan.chunk_numel or default, world_size), world_size)
     covered = {name for spec in plan.chunks for name in spec.params}
     names = {p.name for p in model.params}
     if covered != names:

@@ -603,6 +603,21 @@ class FrozenBf16Table(Classifier):
         return self.head((torch.tanh(self.inp(x)).to(self.table.dtype) @ self.table).float())
 
 
+class TrainableBf16Layer(Classifier):
+    """A trainable bf16 layer in an fp32 model: trained in bf16 under SGD, as under DDP. Its private chunk
+    (272 elements) is split between the ranks on the 64-element grid; split at element 136, the shards'
+    SGD steps rounded a few elements a bf16 step away from DDP's ([Note: shards on the vector grid])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16).to(torch.bfloat16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(torch.tanh(self.inp(x)).bfloat16()).float())
+
+
 class Float64Layer(Classifier):
     """A trainable float64 layer in an fp32 model."""
 
@@ -2625,6 +2640,7 @@ CASES: list[Case] = [
     Case("weight_data_assigned_in_its_forward_max_norm", lambda: WrittenInForward(LinearWithConstraint), cls_data),
     Case("frozen_integer_index_parameter", FrozenIndexTable, cls_data),
     Case("frozen_bf16_parameter_in_its_dtype", FrozenBf16Table, cls_data),
+    Case("trainable_bf16_layer_in_its_dtype", TrainableBf16Layer, cls_data),
     Case("float64_layer", Float64Layer, cls_data),
     Case("complex_parameter", ComplexLayer, cls_data, ddp=_COMPLEX_DDP),
     Case("data_assigned_in_configure_model", DataSwappedInConfigureModel, cls_data),

@@ -18,7 +18,8 @@ def test_parameters_pack_in_first_use_order_and_shared_ones_go_private():
     model = chain_profile([[30, 20], [64], [128], [64]], shared=(0,))
     layout = build_layout(model, 192, 2)
     assert [c.params for c in layout.chunks] == [("p1_0", "p2_0"), ("p3_0",), ("p0_0",), ("p0_1",)]
-    assert [c.numel for c in layout.chunks] == [192, 192, 30, 20]
+    # private chunks padded so that each shard is a multiple of 64 elements ([Note: shards on the vector grid])
+    assert [c.numel for c in layout.chunks] == [192, 192, 128, 128]
     assert layout.public == (0, 1) and layout.private == (2, 3)
     assert layout.chunks == pack_chunks([(p.name, p.numel) for p in model.params], 192, 2, ["p0_0", "p0_1"])
 

@@ -64,22 +64,23 @@ def test_offloading_moves_state_off_the_device():
 
 def test_nvme_page_buffers_are_sized_by_the_largest_nvme_record():
     # Public chunks of 6000 elements (m1, m2) and a private chunk of 10000 (m0, tied) at world size 2,
-    # bf16, AdamW: shards of 3000, 3000 and 5000; a record (fp32 master + AdamW) is 12 B per element.
+    # bf16, AdamW: shards of 3000, 3000 and 5056 (the private chunk padded to 10112, so that its shards are
+    # multiples of 64 elements); a record (fp32 master + AdamW) is 12 B per element.
     model = chain_profile([[10_000], [6_000], [6_000]], shared=(0,))
     layout = build_layout(model, 6_000, 2)
-    assert [(c.numel, c.private) for c in layout.chunks] == [(6_000, False), (6_000, False), (10_000, True)]
+    assert [(c.numel, c.private) for c in layout.chunks] == [(6_000, False), (6_000, False), (10_112, True)]
     options = dataclasses.replace(OPTIONS, nvme_buffers=2)
     # Chunk 1 on the CPU, chunks 0 and 2 on NVMe: the private chunk's record is the largest.
     m = memory_breakdown(layout, model, 2, ("nvme", "cpu", "nvme"), options)
     cpu_state = 3000 * (4 + 8 + 4)  # 48000
-    staged_grads = (3000 + 5000) * 4  # 32000
-    pages = 2 * (4096 + 61440)  # a header block + 5000 * 12 = 60000 B padded to 15 blocks of 4096 B, twice
-    assert m.host_bytes == cpu_state + staged_grads + pages == 211072
+    staged_grads = (3000 + 5056) * 4  # 32224
+    pages = 2 * (4096 + 61440)  # a header block + 5056 * 12 = 60672 B padded to 15 blocks of 4096 B, twice
+    assert m.host_bytes == cpu_state + staged_grads + pages == 211296
     # Files: header block + 3000 * 12 = 36000 B padded to 36864; header block + 61440.
     assert m.nvme_bytes == (4096 + 36864) + (4096 + 61440) == 106496
     # The private chunk on the CPU instead: the largest NVMe record is 36000 B, 9 blocks.
     m = memory_breakdown(layout, model, 2, ("nvme", "nvme", "cpu"), options)
-    assert m.host_bytes == 5000 * 16 + 2 * 3000 * 4 + 2 * (4096 + 36864) == 185920
+    assert m.host_bytes == 5056 * 16 + 2 * 3000 * 4 + 2 * (4096 + 36864) == 186816
     assert memory_breakdown(layout, model, 2, ("cpu", "cpu", "device"), options).nvme_bytes == 0
 
 
@@ -92,10 +93,13 @@ def test_fewer_blocks_and_a_private_chunk():
     model = chain_profile([[100], [100], [40]], activation_bytes=0, shared=(2,))
     layout = build_layout(model, 100, 2)
     m = memory_breakdown(layout, model, 1, ("device",) * 3, dataclasses.replace(OPTIONS, margin_fraction=0.0))
+    private = 128  # 40 elements, padded so that each of the 2 shards is a multiple of 64 elements
     assert m.cache_bytes == 1 * 100 * 2
-    assert m.private_bytes == 40 * 2  # gathered all step
-    assert m.param_shard_bytes == 240 // 2 * 2
-    assert m.peak_bytes == 240 + 240 // 2 * 16 + 200 + 80 + 800
+    assert m.private_bytes == private * 2  # gathered all step
+    assert m.param_shard_bytes == (200 + private) // 2 * 2
+    # + compute copies of the public chunks' shards, fp32 master and AdamW state, one cache block, the
+    # private chunk gathered, two fp32 reduce buffers of the largest chunk (the private one)
+    assert m.peak_bytes == (200 + private) + (200 + private) // 2 * 16 + 200 + private * 2 + 2 * private * 4
 
 
 def test_fp32_keeps_one_copy_and_reduces_in_fp32():

@@ -185,7 +185,8 @@ def test_simulate_gathers_reads_a_plan_and_counts_private_chunks_once():
     result = simulate_gathers(plan, model)
     assert result.gathers == 2 + 2
     assert result.sequence[:2] == (2, 3)  # private chunks first
-    assert result.gathered_bytes == (100 + 100 + 60 + 40) * 2  # bf16: public chunks, then privates 60 and 40
+    # bf16: public chunks, then the privates of 60 and 40 elements, each padded to 128 (shards of 64 elements)
+    assert result.gathered_bytes == (100 + 100 + 128 + 128) * 2
     assert simulate_gathers(plan, model, cache_blocks="min").gathers == 2 + 3
 
 
