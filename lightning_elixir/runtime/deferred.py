@@ -27,6 +27,14 @@ to the tensor a real build would have made, while at most one parameter's histor
 time. An operation that needs real values during the build (``.item()`` on a tensor the build
 computed) gets them by the same replay, on the spot. A meta tensor the recording does not know
 (created under a plain ``torch.device("meta")``) is left to the module's ``reset_parameters()``.
+
+Host data put straight onto a build's device needs one more step: ``torch.tensor(data,
+device=w.device)``, ``w.new_tensor(data)`` and a list or array index (``w[[3, 5, 7]]``, as PEFT's
+trainable tokens take their rows) are made in C++, which copies the data onto the meta device
+without dispatching an operation, so the recording would hold a meta tensor whose values no
+operation made. ``_HostData`` makes such tensors on the host instead (real, small: host data) and
+moves them onto the meta device with a dispatched copy, which the recording keeps with its source
+values; index lists become host index tensors, as a user's own ``w[torch.tensor([3, 5, 7])]`` is.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -294,12 +303,89 @@ def _reveal(t: torch.Tensor) -> None:
         t.__class__ = torch.nn.Parameter if getattr(t, "_is_param", False) else torch.Tensor
 
 
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+"""Functions that copy host data (lists, numbers, arrays) into a new tensor on a device they are given."""
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def _meta_target(device: Any) -> bool:
+    if device is None or isinstance(device, int):
+        return False
+    return torch.device(device).type == "meta"
+
+
+def _host_data(data: Any) -> bool:
+    return not isinstance(data, torch.Tensor) and not _flat_tensors(data)
+
+
+def _host_index(index: Any) -> Any:
+    """An index of a meta tensor with its lists and arrays made host tensors (what C++ would put on the meta
+    device, without their values), keeping the meaning torch gives each."""
+    if isinstance(index, tuple):
+        return tuple(_index_tensor(part) for part in index)
+    if isinstance(index, list) and _list_is_one_index(index):
+        return _index_tensor(index)
+    if type(index).__module__ == "numpy" and getattr(index, "ndim", None) == 1:
+        return _index_tensor(index)
+    return index
+
+
+def _list_is_one_index(index: list) -> bool:
+    """Whether torch indexes with ``index`` as one index tensor rather than as a tuple of indices (NumPy's rule
+    for sequences, as ``treatSequenceAsTuple`` applies it: short lists holding sequences, slices, tensors,
+    None or Ellipsis are tuples)."""
+    if len(index) >= 32:
+        return True
+    return not any(isinstance(v, (torch.Tensor, slice, list, tuple)) or v is None or v is Ellipsis
+                   or hasattr(v, "__len__") for v in index)
+
+
+def _index_tensor(part: Any) -> Any:
+    is_array = type(part).__module__ == "numpy" and hasattr(part, "ndim")
+    if not (isinstance(part, list) or is_array) or not _host_data(part):
+        return part
+    tensor = torch.as_tensor(part)
+    if tensor.dtype != torch.bool and not tensor.dtype.is_floating_point and not tensor.is_complex():
+        tensor = tensor.long()
+    return tensor
+
+
+class _HostData(TorchFunctionMode):
+    """Tensors made from host data for the meta device, and index lists of meta tensors, made on the host
+    ([Note: deferred initialisation], last paragraph)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _FROM_DATA and args and _host_data(args[0]):
+            if func is torch.as_tensor and len(args) > 1:  # as_tensor(data, dtype, device)
+                kwargs.update(zip(("dtype", "device"), args[1:]))
+                args = args[:1]
+            if _meta_target(kwargs.get("device")):
+                return self._via_host(func, args, kwargs)
+        elif func is torch.Tensor.new_tensor and len(args) > 1 and _host_data(args[1]) and _is_meta(args[0]):
+            kwargs.setdefault("device", args[0].device)
+            if _meta_target(kwargs["device"]):
+                kwargs.setdefault("dtype", args[0].dtype)
+                return self._via_host(torch.tensor, args[1:], kwargs)
+        elif func in _INDEXING and len(args) > 1 and isinstance(args[0], torch.Tensor) and _is_meta(args[0]):
+            args = (args[0], _host_index(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _via_host(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        requires_grad = kwargs.pop("requires_grad", False)
+        kwargs.pop("pin_memory", None)
+        device = kwargs.pop("device")
+        host = func(*args, **kwargs, device="cpu")
+        return host.to(device).requires_grad_(requires_grad)  # a dispatched copy: recorded with its source
+
+
 @contextmanager
 def record_init(device: torch.device) -> Iterator[InitRecord]:
     """Build under this context to get meta tensors that ``InitRecord.materialize`` can give real values."""
     record = InitRecord(device)
     try:
-        with _Recorder(record):
+        with _Recorder(record), _HostData():
             yield record
     finally:
         for op in record.ops:

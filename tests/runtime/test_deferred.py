@@ -29,7 +29,29 @@ class Schemes(nn.Module):
             self.emb.weight[5].fill_(0.5)
 
 
+class HostData(nn.Module):
+    """Tensors made from host data on the build's device, and rows taken by list and array indices (PEFT's
+    trainable tokens copy ``weight[[3, 5, 7]]``): C++ puts that data on the meta device without an operation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import numpy as np
+
+        self.emb = nn.Embedding(10, 4)
+        w = self.emb.weight
+        self.rows = nn.Parameter(w[[3, 5, 7]].detach().clone())
+        self.register_buffer("pairs", w[[1, 2], [0, 3]] * 2)
+        self.register_buffer("even", w[[True, False] * 5].sum(0))
+        self.register_buffer("picked", w[np.array([9, 0])] + w.new_tensor([1.0, 2.0, 3.0, 4.0]))
+        self.register_buffer("shift", torch.tensor([0.5, 1.5, 2.5, 3.5], device=w.device)
+                             + torch.as_tensor([1, 2, 3, 4], device=w.device))
+        with torch.no_grad():
+            w[[4, 6]] = w[[8, 9]] + 1
+            w[[0, 1]] = 0.25
+
+
 BUILDS: dict[str, Callable[[], nn.Module]] = {
+    "host_data": HostData,
     "mlp": lambda: nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4)),
     "lstm": lambda: nn.LSTM(4, 8, 2),
     "transformer_layer": lambda: nn.TransformerEncoderLayer(16, 4, 32),
