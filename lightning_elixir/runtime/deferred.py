@@ -139,6 +139,11 @@ class InitRecord:
         """Whether ``t`` is a meta tensor made by this recording."""
         return _is_meta(t) and _key(t) in self._creator
 
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether the meta tensor ``t`` stands for a real one of the build: made by this recording, or a tensor of
+        it that the build disguised (``_Deferred``)."""
+        return type(t) is _Deferred or _key(t) in self._creator
+
     # ---- recording ----------------------------------------------------------------------------
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -263,9 +268,14 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, record: InitRecord) -> None:
         super().__init__()
         self.record = record
+        self.meta_default = False
+        """Whether the operation being dispatched runs under a ``torch.device("meta")`` context
+        (``_meta_contexts_seen_by``)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = dict(kwargs or {})
+        if self._on_meta_as_built(args, kwargs):
+            return func(*args, **kwargs)
         if "device" in kwargs and not _flat_tensors((args, kwargs)):  # a factory: empty, zeros, arange, randn...
             if _is_empty(func(*args, **{**kwargs, "device": _META})):
                 # Holds no memory, and may get a real storage next: ``torch.load`` rebuilds each tensor as
@@ -285,6 +295,20 @@ class _Recorder(TorchDispatchMode):
         out = tree_map(_disguise, out)
         self.record.record(func, args, kwargs, out)
         return out
+
+    def _on_meta_as_built(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the real build runs this operation on the meta device too: a factory asked for the meta
+        device under a ``torch.device("meta")`` context (Hugging Face's ``from_pretrained`` builds under one and
+        then loads the weights), or an operation whose meta tensors are all such. It is run as the real build
+        runs it, unrecorded, and draws no random numbers, as a meta tensor's initialisation draws none; had it
+        been recorded, the generator would have moved where the real build's does not, and every later draw
+        (the heads ``from_pretrained`` initialises, dropout, the data order) would differ from DDP's."""
+        tensors = _flat_tensors((args, kwargs))
+        if not tensors:  # a factory: ``device="meta"`` alone could be a tensor of the build's ``.device``
+            device = kwargs.get("device")
+            return self.meta_default and device is not None and torch.device(device).type == "meta"
+        metas = [t for t in tensors if _is_meta(t)]
+        return bool(metas) and not any(self.record.owns(t) for t in metas)
 
 
 def _is_empty(value: Any) -> bool:
@@ -381,11 +405,37 @@ class _HostData(TorchFunctionMode):
 
 
 @contextmanager
+def _meta_contexts_seen_by(recorder: _Recorder) -> Iterator[None]:
+    """Sets ``recorder.meta_default`` while a ``torch.device("meta")`` context (``torch.set_default_device("meta")``)
+    puts a call on the meta device: its ``DeviceContext`` mode is not visible from inside another mode's call,
+    and ``with torch.device(...)`` pushes it from C++, so its own ``__torch_function__`` is where to see it."""
+    from torch.utils._device import DeviceContext
+
+    original = DeviceContext.__dict__["__torch_function__"]
+
+    def seen(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if recorder.meta_default or torch.device(mode.device).type != "meta":
+            return original(mode, func, types, args, kwargs)
+        recorder.meta_default = True
+        try:
+            return original(mode, func, types, args, kwargs)
+        finally:
+            recorder.meta_default = False
+
+    DeviceContext.__torch_function__ = seen  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceContext.__torch_function__ = original  # type: ignore[method-assign]
+
+
+@contextmanager
 def record_init(device: torch.device) -> Iterator[InitRecord]:
     """Build under this context to get meta tensors that ``InitRecord.materialize`` can give real values."""
     record = InitRecord(device)
     try:
-        with _Recorder(record), _HostData():
+        recorder = _Recorder(record)
+        with recorder, _HostData(), _meta_contexts_seen_by(recorder):
             yield record
     finally:
         for op in record.ops:

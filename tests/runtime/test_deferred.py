@@ -136,3 +136,39 @@ def test_a_meta_tensor_made_elsewhere_is_not_claimed() -> None:
     assert not record.knows(other.weight)
     with pytest.raises(RuntimeError, match="not made by this recording"):
         record.materialize(other.weight)
+
+
+class MetaSkeleton(nn.Module):
+    """Part of the build on the meta device itself, as Hugging Face's ``from_pretrained`` builds before loading: a
+    real build draws no random numbers for it, so the layer built after it starts from the same draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.skeleton = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+
+def test_a_meta_device_build_inside_draws_no_random_numbers() -> None:
+    torch.manual_seed(0)
+    real = MetaSkeleton()
+    next_real = torch.rand(4)
+    torch.manual_seed(0)
+    with record_init(torch.device("cpu")) as record:
+        deferred = MetaSkeleton()
+    assert torch.equal(torch.rand(4), next_real)
+    assert deferred.skeleton.weight.is_meta and not record.knows(deferred.skeleton.weight)  # meta, as built
+    for name in ("weight", "bias"):
+        assert torch.equal(record.materialize(getattr(deferred.head, name)), getattr(real.head, name)), name
+
+
+def test_from_pretrained_with_a_new_head_replays_as_loaded(tmp_path) -> None:
+    """A checkpoint loaded in the build with a head it lacks: the loaded weights, and the head Hugging Face
+    initialises after building on the meta device, are the real build's."""
+    tr = pytest.importorskip("transformers")
+    config = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(3)
+    tr.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    build = lambda: tr.LlamaForSequenceClassification.from_pretrained(tmp_path, num_labels=3)  # noqa: E731
+    _replays_like_a_real_build(build)
