@@ -1702,6 +1702,37 @@ class HFModel(TokenLM):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class HFPeftVariant(HFModel):
+    """Llama under PEFT variants that LoRA's cases do not reach. "dora" (built in configure_model): DoRA's
+    magnitude starts as the norm of the base weight, which a deferred build replays, and its forward reads
+    the base layer's weight outside that layer's own forward. "adalora": AdaLoRA's rank allocator reads every
+    adapter's gradient after the optimizer step and masks ranks in place there (PEFT's update_and_allocate,
+    from an optimizer_step override)."""
+
+    def __init__(self, variant: str) -> None:
+        self.variant = variant
+        super().__init__("llama", in_configure_model=variant == "dora")
+
+    def _build(self) -> None:
+        import peft
+
+        super()._build()
+        if self.variant == "dora":
+            config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+        else:
+            config = peft.AdaLoraConfig(init_r=6, target_r=2, tinit=1, tfinal=2, deltaT=1, total_step=8,
+                                        lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        self.model = peft.get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.variant == "adalora":
+            self.model.base_model.update_and_allocate(self.global_step)
+
+
 class HFResized(HFModel):
     """``resize_token_embeddings`` right after the build (in configure_model: assigned ``.data`` on meta tensors)."""
 
@@ -2755,6 +2786,10 @@ CASES: list[Case] = [
            ddp_check=None if flags.get("in_configure_model") else _check_only_adapters_train)  # no weights before
       for kind, suffix, flags in (("gpt2", "", {}), ("llama", "", {}), ("llama", "_gradient_checkpointing", {"ckpt": True}),
                                   ("llama", "_configure_model", {"in_configure_model": True}))),
+    Case("hf_llama_dora_configure_model", lambda: HFPeftVariant("dora"), token_data, requires="peft",
+         tol=ADAM_NEAR_ZERO),
+    Case("hf_llama_adalora_rank_allocation", lambda: HFPeftVariant("adalora"), token_data, requires="peft",
+         tol=ADAM_NEAR_ZERO),
     *(Case(f"hf_{kind}", lambda kind=kind: HFVision(kind), image_data, requires="transformers", tol=ADAM_NEAR_ZERO)
       for kind in _HF_VISION),
     Case("hf_switch_moe", _hf("switch"), token_data, requires="transformers", ddp=dict(find_unused_parameters=True)),
@@ -3070,7 +3105,6 @@ CASES += [
     Case("early_stopping_validation_end", SyncLogged, cls_data, trainer=dict(max_epochs=4),
          run=fit_with(_early_stopping(False))),
 ]
-
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
 assert len(BY_NAME) == len(CASES), "case names must be unique"
