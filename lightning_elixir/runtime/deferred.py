@@ -411,7 +411,10 @@ def _meta_contexts_seen_by(recorder: _Recorder) -> Iterator[None]:
     and ``with torch.device(...)`` pushes it from C++, so its own ``__torch_function__`` is where to see it."""
     from torch.utils._device import DeviceContext
 
-    original = DeviceContext.__dict__["__torch_function__"]
+    original = DeviceContext.__dict__.get("__torch_function__")
+    if original is None:  # another torch's layout: such builds are recorded, as before this was seen
+        yield
+        return
 
     def seen(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if recorder.meta_default or torch.device(mode.device).type != "meta":
