@@ -286,7 +286,9 @@ class ElixirStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method != "popen":
             self._launcher = ElixirMultiprocessingLauncher(self, self._start_method)
-        elif not self.cluster_environment.creates_processes_externally:
+        else:  # also where the ranks are started for us (torchrun, SLURM, the script's own copies): as DDP, its
+            # launch gives each rank its share of the cores (OMP_NUM_THREADS), where a rank would otherwise
+            # run as many threads as the machine has cores, beside the other ranks doing the same
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         if fabric_imports._IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
             # before Lightning's own refusal, which names only "ddp_notebook"

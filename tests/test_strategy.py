@@ -431,3 +431,25 @@ def test_a_module_whose_fit_failed_is_fitted_again_from_where_it_stopped(tmp_pat
         optimizer.step()
     torch.testing.assert_close(model.layer.weight, reference.layer.weight)
     torch.testing.assert_close(model.layer.bias, reference.layer.bias)
+
+
+def test_a_rank_started_for_the_strategy_gets_its_share_of_the_cores_as_under_ddp(monkeypatch):
+    """Ranks that torchrun, SLURM or the script's own copies start: each runs cores // ranks threads, as DDP
+    gives them, not every core beside the other ranks (which also changed the order of CPU reductions)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    environment = LightningEnvironment()
+    assert environment.creates_processes_externally
+    strategy = ElixirStrategy(plan="zero2", parallel_devices=[torch.device("cpu")] * 2,
+                              cluster_environment=environment)
+    strategy._configure_launcher()
+    before = torch.get_num_threads()
+    try:
+        threads = strategy.launcher.launch(torch.get_num_threads)
+        expected = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert threads == expected and os.environ["OMP_NUM_THREADS"] == str(expected)
+    finally:
+        torch.set_num_threads(before)
