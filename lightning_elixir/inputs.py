@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelPruning
 from lightning_elixir.profile.types import HardwareProfile
 from lightning_elixir.runtime.collectives import DEFAULT_TIMEOUT_S, Group
 from lightning_elixir.search.budget import check_memory_limit
+from lightning_elixir.search.calibrate import SelfCorrection
 
 START_METHODS = ("popen", "fork", "spawn", "forkserver")
 """How the ranks of one machine start: a script run per rank (as DDP's default), or Lightning's multiprocessing."""
@@ -90,6 +91,18 @@ def check_flags(**flags: Any) -> None:
     for flag, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be True or False, got {value!r}")
+
+
+def check_updates_in_backward(value: Any) -> Optional[bool]:
+    if value not in (None, True, False):
+        raise TypeError(f"updates_in_backward must be None, True or False, got {value!r}")
+    return value
+
+
+def check_replan(value: Any) -> Union[bool, SelfCorrection]:
+    if not isinstance(value, (bool, SelfCorrection)):
+        raise TypeError(f"replan must be True, False or a SelfCorrection, got {value!r}")
+    return value
 
 
 # ---- setup ----------------------------------------------------------------------------------------

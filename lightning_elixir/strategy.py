@@ -44,9 +44,10 @@ from lightning_elixir.checkpointing import (CheckpointSaver, load_model, load_op
                                             save_full_checkpoint, save_sharded_checkpoint,
                                             sharded_checkpoint_for_hooks)
 from lightning_elixir.devices import release_pinned_cache
-from lightning_elixir.inputs import (apply_layer_sync, check_flags, check_start_method, check_state_dict_type,
-                                     collective_timeout, planning_limit, read_hardware_profile,
-                                     refuse_graph_logging, refuse_unsupported_callbacks)
+from lightning_elixir.inputs import (apply_layer_sync, check_flags, check_replan, check_start_method,
+                                     check_state_dict_type, check_updates_in_backward, collective_timeout,
+                                     planning_limit, read_hardware_profile, refuse_graph_logging,
+                                     refuse_unsupported_callbacks)
 from lightning_elixir.finetuning import install_finetuning, planned_trainable, remove_finetuning
 from lightning_elixir.launcher import ElixirMultiprocessingLauncher
 from lightning_elixir.monitor import ElixirMonitor
@@ -206,12 +207,8 @@ class ElixirStrategy(ParallelStrategy):
                     oom_recovery=oom_recovery)
         self.broadcast_buffers = broadcast_buffers
         self.unshard_on_teardown = unshard_on_teardown
-        if updates_in_backward not in (None, True, False):
-            raise TypeError(f"updates_in_backward must be None, True or False, got {updates_in_backward!r}")
-        self.updates_in_backward = updates_in_backward
-        if not isinstance(replan, (bool, SelfCorrection)):
-            raise TypeError(f"replan must be True, False or a SelfCorrection, got {replan!r}")
-        self.replan = replan
+        self.updates_in_backward = check_updates_in_backward(updates_in_backward)
+        self.replan = check_replan(replan)
         correction = SelfCorrection() if replan is True else replan or None
         self.planner: Optional[AutoPlanner] = AutoPlanner(
             correction, OutOfMemoryRecovery() if oom_recovery else None) if self.plan == "auto" else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -64,15 +64,21 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + list(module.named_buffers())
 
 
-def _replays_like_a_real_build(build: Callable[[], nn.Module]) -> None:
+def _built_twice(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, Any]:
+    """``build`` run for real and recorded, from the same seed: (real, deferred, recording), once the generator
+    is checked to have moved as the real build moved it."""
     torch.manual_seed(0)
     real = build()
     next_real = torch.rand(4)
     torch.manual_seed(0)
     with record_init(torch.device("cpu")) as record:
         deferred = build()
-    next_deferred = torch.rand(4)
-    assert torch.equal(next_real, next_deferred)  # the generator moved as the real build moved it
+    assert torch.equal(torch.rand(4), next_real)
+    return real, deferred, record
+
+
+def _replays_like_a_real_build(build: Callable[[], nn.Module]) -> None:
+    real, deferred, record = _built_twice(build)
     for (name, want), (_, made) in zip(_tensors(real), _tensors(deferred)):
         assert type(made) in (torch.Tensor, nn.Parameter), name  # plain again once the build is over
         if made.is_meta:
@@ -150,13 +156,7 @@ class MetaSkeleton(nn.Module):
 
 
 def test_a_meta_device_build_inside_draws_no_random_numbers() -> None:
-    torch.manual_seed(0)
-    real = MetaSkeleton()
-    next_real = torch.rand(4)
-    torch.manual_seed(0)
-    with record_init(torch.device("cpu")) as record:
-        deferred = MetaSkeleton()
-    assert torch.equal(torch.rand(4), next_real)
+    real, deferred, record = _built_twice(MetaSkeleton)
     assert deferred.skeleton.weight.is_meta and not record.knows(deferred.skeleton.weight)  # meta, as built
     for name in ("weight", "bias"):
         assert torch.equal(record.materialize(getattr(deferred.head, name)), getattr(real.head, name)), name
